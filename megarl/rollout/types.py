@@ -1,0 +1,86 @@
+"""The RolloutEngine contract (DESIGN.md "Contracts"): requests, sampling parameters, samples.
+
+Every engine (builtin torch engine, colocated SGLang) speaks only HF names and token ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Literal, Protocol, runtime_checkable
+
+import torch
+
+FinishReason = Literal["stop", "length", "truncated"]
+
+
+@dataclass
+class SamplingParams:
+    """Sampling parameters of one generate call.
+
+    temperature 0 means greedy. top_k <= 0 and top_p >= 1 disable those filters.
+    FIRE (ALGORITHMS.md §9): the first response token is sampled at `fire_temperature` with
+    top-k `fire_top_k` (or the regular top_k if that is > 0); the rest at the regular settings.
+    `window` (T-PPO): stop after this many new tokens with finish_reason "truncated"; the
+    sample can be continued later with `continue_samples`.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 128
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+    fire: bool = False
+    fire_temperature: float = 30.0
+    fire_top_k: int = 16
+    window: int | None = None
+
+    def validate(self) -> None:
+        checks = [
+            (self.n >= 1, "n must be >= 1"),
+            (self.temperature >= 0, "temperature must be >= 0"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (self.max_new_tokens >= 1, "max_new_tokens must be >= 1"),
+            (self.fire_temperature > 0, "fire_temperature must be > 0"),
+            (self.window is None or self.window >= 1, "window must be >= 1"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(f"SamplingParams: {msg} (got {self})")
+
+
+@dataclass
+class Sample:
+    """One generated response.
+
+    `logprobs[i]` is the log-probability of `response_ids[i]` under the distribution it was
+    sampled from (after temperature / top-k / top-p). `finish_reason`: "stop" (EOS, stop token or
+    stop string), "length" (max_new_tokens reached), "truncated" (T-PPO window reached; may be
+    continued).
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    text: str = ""
+    index: int = 0  # which prompt of the request list this sample belongs to
+    meta: dict = field(default_factory=dict)
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Sample]:
+        """Samples `sampling.n` responses per prompt, prompt-major order."""
+
+    def continue_samples(self, samples: list[Sample], sampling: SamplingParams) -> list[Sample]:
+        """Continues truncated samples (T-PPO) under the current weights."""
+
+    def update_weights(self, stream: Iterable[list[tuple[str, torch.Tensor]]]) -> None:
+        """Loads full HF-named tensors, delivered as buckets of (name, tensor)."""
+
+    def release_memory(self) -> None: ...
+
+    def resume_memory(self) -> None: ...
