@@ -1,0 +1,282 @@
+"""Loss aggregation (ALGORITHMS §1.2), PPO policy loss (§1.1), value loss (§1.4), VAPO's
+positive-example NLL (§4), entropy.
+
+Shapes: [B, T] per-token tensors, `mask` [B, T] (1 = token counts).
+
+Gradient accumulation / data parallel (§1.2 pitfall): pass the counts of the WHOLE optimizer
+mini-batch (all micro-batches, all DP/CP ranks) as `global_tokens` / `global_seqs`; then every
+aggregated loss is a sum of per-micro-batch terms, and the caller must SUM (not average) the
+micro-batch losses. If the DP all-reduce averages gradients, multiply the loss by dp_size.
+Without global counts the local counts are used (exact only for a single micro-batch).
+
+Metrics are detached 0-dim tensors over the local masked tokens (no host sync); `n_tokens` is
+included so the caller can weight them when reducing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .registry import LOSS_AGGS, POLICY_LOSSES
+
+Count = int | float | torch.Tensor | None
+
+LOG_RATIO_CLAMP = 20.0
+
+
+def _check_count(name: str, c: Count) -> None:
+    if isinstance(c, (int, float)) and c <= 0:
+        raise ValueError(f"{name} must be > 0, got {c}")
+
+
+@LOSS_AGGS.register("token-mean")
+def _token_mean(loss_mat, m, global_tokens=None, global_seqs=None, max_len=None):
+    """sum_{i,t} m*l / N_tok, N_tok = global_tokens or local sum(m) (0 tokens -> loss 0)."""
+    _check_count("global_tokens", global_tokens)
+    den = m.sum().clamp(min=1.0) if global_tokens is None else global_tokens
+    return (loss_mat * m).sum() / den
+
+
+def _local_seqs(m):
+    return (m.sum(-1) > 0).to(m.dtype).sum().clamp(min=1.0)
+
+
+@LOSS_AGGS.register("seq-mean-token-mean")
+def _seq_mean_token_mean(loss_mat, m, global_tokens=None, global_seqs=None, max_len=None):
+    """sum_i (sum_t m*l / sum_t m) / N_seq; N_seq = global_seqs or the local number of rows with >= 1 token."""
+    _check_count("global_seqs", global_seqs)
+    per_seq = (loss_mat * m).sum(-1) / m.sum(-1).clamp(min=1.0)
+    den = _local_seqs(m) if global_seqs is None else global_seqs
+    return per_seq.sum() / den
+
+
+@LOSS_AGGS.register("seq-mean-token-sum")
+def _seq_mean_token_sum(loss_mat, m, global_tokens=None, global_seqs=None, max_len=None):
+    """sum_i sum_t m*l / N_seq; N_seq = global_seqs or the local number of rows with >= 1 token."""
+    _check_count("global_seqs", global_seqs)
+    den = _local_seqs(m) if global_seqs is None else global_seqs
+    return (loss_mat * m).sum() / den
+
+
+@LOSS_AGGS.register("seq-mean-token-sum-norm")
+def _seq_mean_token_sum_norm(loss_mat, m, global_tokens=None, global_seqs=None, max_len=None):
+    """Dr. GRPO: sum_{i,t} m*l / L_const, L_const = max_len (the max response length) or T.
+
+    Additive over micro-batches as it stands (no count to globalise)."""
+    L = loss_mat.shape[-1] if max_len is None else max_len
+    _check_count("max_len", L)
+    return (loss_mat * m).sum() / L
+
+
+def agg_loss(
+    loss_mat: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str = "token-mean",
+    global_tokens: Count = None,
+    global_seqs: Count = None,
+    max_len: int | None = None,
+) -> torch.Tensor:
+    """Aggregate a per-token loss [B, T] to a scalar (ALGORITHMS §1.2). Modes and denominators:
+
+    - token-mean:              sum(m*l) / global_tokens (default: local sum(m))
+    - seq-mean-token-mean:     sum_i(sum_t m*l / sum_t m) / global_seqs (default: local non-empty rows)
+    - seq-mean-token-sum:      sum(m*l) / global_seqs
+    - seq-mean-token-sum-norm: sum(m*l) / max_len (Dr. GRPO; default max_len = T)
+    """
+    if loss_mat.shape != mask.shape:
+        raise ValueError(f"loss shape {tuple(loss_mat.shape)} does not match mask {tuple(mask.shape)}")
+    m = mask.to(loss_mat.dtype)
+    return LOSS_AGGS[mode](loss_mat, m, global_tokens=global_tokens, global_seqs=global_seqs, max_len=max_len)
+
+
+def _masked_frac(cond: torch.Tensor, m: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    return (cond.to(m.dtype) * m).sum() / n
+
+
+def _ratio_metrics(ratio, log_ratio, mb, m, n) -> dict[str, torch.Tensor]:
+    one = torch.ones((), dtype=ratio.dtype, device=ratio.device)
+    has = mb.any()
+    return {
+        # KL(pi_old || pi_theta) estimated on samples from pi_old, x = logp - logp_old:
+        "approx_kl": ((ratio - 1.0 - log_ratio) * m).sum() / n,  # k3: e^x - 1 - x (>= 0, low variance)
+        "approx_kl_k1": (-log_ratio * m).sum() / n,  # k1: -x
+        "ratio_mean": (ratio * m).sum() / n,
+        "ratio_max": torch.where(has, ratio.masked_fill(~mb, float("-inf")).max(), one),
+        "ratio_min": torch.where(has, ratio.masked_fill(~mb, float("inf")).min(), one),
+    }
+
+
+@POLICY_LOSSES.register("ppo")
+def policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    clip_c: float | None = None,
+    agg: str = "token-mean",
+    global_tokens: Count = None,
+    *,
+    global_seqs: Count = None,
+    max_len: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate with clip-higher and optional dual-clip (ALGORITHMS §1.1). -> (loss, metrics).
+
+    rho = exp(clamp(logp - logp_old, -20, 20));  L1 = -A*rho;  L2 = -A*clip(rho, 1-clip_low, 1+clip_high);
+    l = max(L1, L2); with dual-clip c > 1 and A < 0: l = min(l, -A*c). loss = agg_loss(l, mask, agg, ...)
+    (denominators in `agg_loss`). Clip-higher (DAPO) is clip_high > clip_low.
+
+    Metrics (detached, local masked tokens, denominator n_tokens = sum(m), 0 when empty):
+    clipfrac_high = frac(A > 0 and rho > 1+clip_high), clipfrac_low = frac(A < 0 and rho < 1-clip_low)
+    (tokens where the clip is active, i.e. L2 > L1), clipfrac = their sum, dual_clip_frac =
+    frac(A < 0 and max(L1, L2) > -A*c), approx_kl = k3 estimate of KL(pi_old||pi_theta) = mean(rho-1-log rho),
+    approx_kl_k1 = mean(-log rho), ratio_mean/max/min (1.0 when empty), n_tokens.
+    """
+    if clip_c is not None and clip_c <= 1.0:
+        raise ValueError(f"policy_loss: dual-clip constant clip_c must be > 1, got {clip_c}")
+    if not (0.0 <= clip_low < 1.0 and clip_high >= 0.0):
+        raise ValueError(f"policy_loss: need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
+    if not (log_probs.shape == old_log_probs.shape == advantages.shape == mask.shape):
+        raise ValueError(
+            "policy_loss: shapes differ: log_probs %s, old_log_probs %s, advantages %s, mask %s"
+            % tuple(tuple(t.shape) for t in (log_probs, old_log_probs, advantages, mask))
+        )
+    adv = advantages.to(log_probs.dtype)
+    log_ratio = (log_probs - old_log_probs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    l1 = -adv * ratio
+    l2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    clipped = torch.maximum(l1, l2)
+    if clip_c is not None:
+        l3 = -adv * clip_c
+        per_token = torch.where(adv < 0, torch.minimum(clipped, l3), clipped)
+    else:
+        per_token = clipped
+    loss = agg_loss(per_token, mask, agg, global_tokens, global_seqs, max_len)
+
+    with torch.no_grad():
+        mb = mask.bool()
+        m = mask.to(log_probs.dtype)
+        n = m.sum().clamp(min=1.0)
+        active = l2 > l1
+        high = _masked_frac(active & (adv > 0), m, n)
+        low = _masked_frac(active & (adv < 0), m, n)
+        metrics = {"clipfrac_high": high, "clipfrac_low": low, "clipfrac": high + low}
+        dual = (adv < 0) & (clipped > -adv * clip_c) if clip_c is not None else torch.zeros_like(mb)
+        metrics["dual_clip_frac"] = _masked_frac(dual, m, n)
+        metrics.update(_ratio_metrics(ratio.detach(), log_ratio.detach(), mb, m, n))
+        metrics["n_tokens"] = m.sum()
+    return loss, metrics
+
+
+@POLICY_LOSSES.register("vanilla_pg")
+def vanilla_pg_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    clip_c: float | None = None,
+    agg: str = "token-mean",
+    global_tokens: Count = None,
+    *,
+    global_seqs: Count = None,
+    max_len: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Unclipped importance-weighted policy gradient: l = -A * rho (rho as in `policy_loss`).
+
+    At rho = 1 its gradient is REINFORCE's -A * grad log pi. Clip arguments are accepted for a
+    uniform signature and ignored. Metrics: approx_kl (k3), approx_kl_k1, ratio_mean/max/min, n_tokens.
+    """
+    log_ratio = (log_probs - old_log_probs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    loss = agg_loss(-advantages.to(log_probs.dtype) * ratio, mask, agg, global_tokens, global_seqs, max_len)
+    with torch.no_grad():
+        m = mask.to(log_probs.dtype)
+        n = m.sum().clamp(min=1.0)
+        metrics = _ratio_metrics(ratio.detach(), log_ratio.detach(), mask.bool(), m, n)
+        metrics["n_tokens"] = m.sum()
+    return loss, metrics
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float | None = None,
+    agg: str = "token-mean",
+    global_tokens: Count = None,
+    *,
+    global_seqs: Count = None,
+    max_len: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped value loss (ALGORITHMS §1.4). -> (loss, metrics).
+
+    v_clip = clip(v, v_old - eps, v_old + eps); l = 0.5 * max((v - R)^2, (v_clip - R)^2)
+    (l = 0.5*(v - R)^2 when clip_eps is None); loss = agg_loss(l, mask, agg, ...).
+    Metrics (local masked tokens, denominator sum(m)): vf_clipfrac = frac((v_clip - R)^2 > (v - R)^2),
+    vpred_mean, vf_mse = mean((v - R)^2), n_tokens.
+    """
+    if not (values.shape == old_values.shape == returns.shape == mask.shape):
+        raise ValueError("value_loss: values, old_values, returns and mask must have the same shape")
+    if clip_eps is not None and clip_eps <= 0:
+        raise ValueError(f"value_loss: clip_eps must be > 0 or None, got {clip_eps}")
+    ret = returns.to(values.dtype)
+    err = (values - ret) ** 2
+    if clip_eps is not None:
+        v_clip = old_values + (values - old_values).clamp(-clip_eps, clip_eps)
+        err_clip = (v_clip - ret) ** 2
+        per_token = 0.5 * torch.maximum(err, err_clip)
+    else:
+        err_clip = err
+        per_token = 0.5 * err
+    loss = agg_loss(per_token, mask, agg, global_tokens, global_seqs, max_len)
+    with torch.no_grad():
+        m = mask.to(values.dtype)
+        n = m.sum().clamp(min=1.0)
+        metrics = {
+            "vf_clipfrac": _masked_frac(err_clip > err, m, n),
+            "vpred_mean": (values.detach() * m).sum() / n,
+            "vf_mse": (err.detach() * m).sum() / n,
+            "n_tokens": m.sum(),
+        }
+    return loss, metrics
+
+
+def positive_example_nll(
+    log_probs: torch.Tensor,
+    mask: torch.Tensor,
+    is_positive: torch.Tensor,
+    agg: str = "token-mean",
+    global_tokens: Count = None,
+    *,
+    global_seqs: Count = None,
+    max_len: int | None = None,
+) -> torch.Tensor:
+    """VAPO positive-example LM loss (ALGORITHMS §4): L_NLL = -(1/sum_{o in T}|o|) sum_{o in T} sum_t log pi.
+
+    T = rows with is_positive[b] (correct samples; [NS→C] reward > 0 is the caller's threshold).
+    Token mask m' = m * is_positive; loss = agg_loss(-logp, m', agg, ...). For token-mean pass
+    global_tokens = the global count of tokens of POSITIVE rows. 0 (with a graph) when no positive
+    token exists. The weight mu is applied by the trainer.
+    """
+    if is_positive.shape != mask.shape[:1]:
+        raise ValueError(f"is_positive has shape {tuple(is_positive.shape)}, mask has {tuple(mask.shape)}")
+    pos_mask = mask.to(log_probs.dtype) * is_positive.to(log_probs.dtype).unsqueeze(-1)
+    return agg_loss(-log_probs, pos_mask, agg, global_tokens, global_seqs, max_len)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Per-position entropy of softmax(logits) over the last axis: H = logsumexp(z) - sum_v p_v z_v.
+
+    Numerically stable for large logits (no exp overflow); -inf logits (banned tokens) contribute 0.
+    Computed in at least float32. No reduction.
+    """
+    z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    lse = torch.logsumexp(z, dim=-1, keepdim=True)
+    p = torch.exp(z - lse)
+    pz = torch.where(p > 0, p * z, torch.zeros_like(p))
+    return lse.squeeze(-1) - pz.sum(-1)

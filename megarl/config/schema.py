@@ -1,0 +1,227 @@
+"""The typed config tree of megarl.
+
+Every field is declared with :func:`doc_field`, which stores a default and a one-line doc in the
+dataclass field metadata (``metadata["doc"]``). The loader uses the annotations for type checks and
+the docs for error messages and ``megarl config --explain``.
+
+To add a field: add one ``name: type = doc_field(default, "what it is")`` line to the right
+dataclass. Allowed types: bool, int, float, str, ``Literal[...]``, ``X | None``, ``list[X]``,
+``dict[str, X]``, ``Any`` and nested config dataclasses.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+
+def doc_field(default: Any, doc: str) -> Any:
+    """A dataclass field with ``default`` and a doc string kept in ``metadata["doc"]``.
+
+    Mutable defaults (list, dict, config dataclasses) are deep-copied per instance through ``default_factory``.
+    """
+    if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
+        return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata={"doc": doc})
+    return dataclasses.field(default=default, metadata={"doc": doc})
+
+
+AdvantageName = Literal["gae", "grpo", "rloo", "reinforce_pp", "egae"]
+LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+KLType = Literal["k1", "k2", "k3", "abs"]
+DecayStyle = Literal["constant", "linear", "cosine"]
+
+
+@dataclass
+class ModelConfig:
+    name: str | None = doc_field(
+        None,
+        "short model name (e.g. 'qwen2.5-32b'); the planner reads configs/models/<name>.json when "
+        "hf_path/config.json is not on this machine",
+    )
+    hf_path: str | None = doc_field(None, "HF model directory (config.json + tokenizer; weights when load is null)")
+    load: str | None = doc_field(
+        None, "megatron torch_dist checkpoint dir of the actor; null = import weights from hf_path"
+    )
+    critic_load: str | None = doc_field(None, "megatron torch_dist checkpoint dir of the critic (e.g. a pretrained value model)")
+    dtype: Literal["fp32", "bf16", "fp16"] = doc_field("bf16", "parameter / compute dtype of the trained models")
+    attention_backend: Literal["auto", "flash", "fused", "unfused", "local"] = doc_field(
+        "auto", "megatron-core AttnBackend (sets NVTE_*_ATTN); 'local' = megatron's own DotProductAttention"
+    )
+    transformer_impl: Literal["local", "transformer_engine", "auto"] = doc_field(
+        "auto", "layer spec: megatron local layers, Transformer Engine layers, or TE when importable"
+    )
+    fp8: Literal["e4m3", "hybrid"] | None = doc_field(None, "FP8 training format (TE only); null = bf16")
+    fp8_recipe: Literal["delayed", "tensorwise", "blockwise", "mxfp8"] = doc_field(
+        "delayed", "TE FP8 scaling recipe; on H100/H200 use delayed, tensorwise or blockwise"
+    )
+    recompute: Literal["selective", "full"] | None = doc_field(
+        None, "activation recomputation: null (none), selective (core attention), full (whole layers)"
+    )
+    recompute_method: Literal["uniform", "block"] = doc_field("uniform", "megatron recompute_method for full recompute")
+    recompute_num_layers: int = doc_field(1, "layers per recompute chunk (uniform) or recomputed layers per stage (block)")
+    sequence_parallel: bool = doc_field(False, "megatron sequence parallelism (needs parallel.tp > 1)")
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = doc_field(1, "tensor-parallel size of the trained models")
+    pp: int = doc_field(1, "pipeline-parallel size")
+    cp: int = doc_field(1, "context-parallel size (needs Transformer Engine)")
+    ep: int = doc_field(1, "expert-parallel size (MoE models only)")
+    vpp: int | None = doc_field(None, "virtual pipeline stages per rank (interleaved 1F1B); needs pp > 1")
+    etp: int | None = doc_field(None, "expert tensor-parallel size; null = tp")
+    rollout_tp: int = doc_field(1, "tensor-parallel size of each rollout engine instance")
+    nodes: int = doc_field(1, "nodes in the job (launchers and planner; world = nodes * gpus_per_node on GPU)")
+    gpus_per_node: int = doc_field(8, "GPUs per node (launchers and planner)")
+
+
+@dataclass
+class DataConfig:
+    train_path: str | None = doc_field(None, "training prompts: a .jsonl / .parquet file or a directory of them")
+    eval: list[str | dict[str, Any]] = doc_field(
+        [], "eval datasets: paths to configs/eval/*.yaml or inline mappings (validated by megarl.data)"
+    )
+    prompt_key: str = doc_field("problem", "row field holding the prompt / problem text")
+    answer_key: str = doc_field("answer", "row field holding the ground-truth answer")
+    source_key: str = doc_field("data_source", "row field naming the reward route (e.g. math, code)")
+    default_data_source: str = doc_field("math", "reward route for rows without source_key")
+    prompt_template: str = doc_field("dapo", "prompt template name (dapo, boxed, raw, chat; see megarl.data)")
+    apply_chat_template: bool = doc_field(False, "wrap the templated prompt with the tokenizer's chat template")
+    max_prompt_len: int = doc_field(2048, "prompts longer than this many tokens are skipped and counted")
+    shuffle: bool = doc_field(True, "shuffle the training prompts every epoch")
+    seed: int = doc_field(42, "data shuffling seed")
+
+
+@dataclass
+class RolloutConfig:
+    engine: Literal["builtin", "sglang"] = doc_field("builtin", "rollout engine: builtin (torch, anywhere) or sglang (GPU)")
+    n_samples_per_prompt: int = doc_field(16, "responses sampled per prompt (group size G)")
+    prompts_per_step: int = doc_field(512, "prompts per training step (after dynamic-sampling filtering)")
+    temperature: float = doc_field(1.0, "sampling temperature (also divides the trainer's logits)")
+    top_p: float = doc_field(1.0, "nucleus sampling threshold")
+    top_k: int = doc_field(-1, "top-k sampling; -1 = off")
+    max_new_tokens: int = doc_field(20480, "hard cap on generated tokens per response (L_max)")
+    fire: bool = doc_field(False, "FIRE sampling: first token at fire_temperature with fire_top_k")
+    fire_temperature: float = doc_field(30.0, "FIRE first-token temperature")
+    fire_top_k: int = doc_field(16, "FIRE first-token top-k")
+    window: int | None = doc_field(None, "T-PPO truncated-rollout window in tokens per step (e.g. 8192); null = full rollouts")
+    weight_bucket_mb: int = doc_field(512, "bucket size for streaming weights into the engine (MiB)")
+    mem_fraction: float = doc_field(0.6, "GPU memory fraction the engine reserves for weights + KV cache (SGLang mem_fraction_static)")
+    offload_train_state: bool = doc_field(
+        True, "colocated: move actor/critic/ref weights, grads and optimizer state off the GPU during rollout"
+    )
+    gen_batch_prompts: int | None = doc_field(None, "prompts generated per round; null = prompts_per_step (DAPO: 3x)")
+    max_gen_batches: int = doc_field(10, "dynamic sampling: generation rounds before giving up with an error")
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = doc_field("grpo", "informational recipe name (dapo, vapo, ppo, ...)")
+    advantage: AdvantageName = doc_field("grpo", "advantage estimator")
+    norm_adv_by_std: bool = doc_field(True, "GRPO: divide by the group std (false = Dr. GRPO)")
+    whiten_advantages: bool = doc_field(False, "whiten advantages over all masked tokens of the batch (GAE)")
+    policy_loss: Literal["ppo"] = doc_field("ppo", "policy loss")
+    loss_agg: LossAgg = doc_field("token-mean", "loss aggregation; denominators are global over the mini-batch")
+    clip_low: float = doc_field(0.2, "PPO ratio clip epsilon below 1")
+    clip_high: float = doc_field(0.2, "PPO ratio clip epsilon above 1 (clip-higher: > clip_low)")
+    clip_c: float | None = doc_field(None, "dual-clip constant c (> 1) for negative advantages; null = off")
+    gamma: float = doc_field(1.0, "discount")
+    lam_actor: float = doc_field(1.0, "GAE lambda of the policy advantages")
+    lam_critic: float = doc_field(1.0, "GAE lambda of the critic targets (decoupled GAE)")
+    length_adaptive_alpha: float | None = doc_field(None, "VAPO length-adaptive lambda alpha (0.05); null = fixed lam_actor")
+    kl_coef: float = doc_field(0.0, "KL coefficient beta (0 = no reference model)")
+    kl_type: KLType = doc_field("k3", "KL estimator")
+    kl_in_reward: bool = doc_field(False, "apply KL as a per-token reward penalty instead of a loss term")
+    entropy_coef: float = doc_field(0.0, "entropy bonus coefficient")
+    pos_lm_coef: float = doc_field(0.0, "VAPO positive-example NLL weight mu (0.1)")
+    value_clip: float | None = doc_field(0.5, "value clipping epsilon; null = no clipping")
+    dynamic_sampling: bool = doc_field(False, "DAPO: drop groups whose accuracy is 0 or 1 and resample")
+    overlong_penalty: bool = doc_field(False, "DAPO soft overlong punishment")
+    overlong_max_len: int = doc_field(20480, "L_max of the soft overlong punishment")
+    overlong_cache_len: int = doc_field(4096, "L_cache of the soft overlong punishment")
+    overlong_factor: float = doc_field(1.0, "scale of the soft overlong punishment")
+    overlong_filter: bool = doc_field(False, "mask out truncated samples from the loss")
+    value_pretrain_steps: int = doc_field(0, "critic-only warm-up steps before policy updates (VAPO 50)")
+    ppo_epochs: int = doc_field(1, "passes over each rollout batch")
+    mini_batch_size: int = doc_field(512, "samples per optimizer step")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = doc_field(1e-6, "peak learning rate")
+    min_lr: float = doc_field(0.0, "final learning rate of linear / cosine decay")
+    lr_warmup_steps: int = doc_field(0, "linear warm-up length in rollout steps")
+    lr_decay_style: DecayStyle = doc_field("constant", "schedule after warm-up")
+    lr_decay_steps: int | None = doc_field(None, "decay length in rollout steps; null = trainer.total_steps")
+    weight_decay: float = doc_field(0.1, "AdamW weight decay")
+    adam_beta1: float = doc_field(0.9, "AdamW beta1")
+    adam_beta2: float = doc_field(0.999, "AdamW beta2")
+    adam_eps: float = doc_field(1e-8, "AdamW epsilon")
+    clip_grad: float = doc_field(1.0, "global gradient-norm clip; 0 = off")
+    max_tokens_per_microbatch: int = doc_field(
+        32768, "token budget of one packed micro-batch per DP rank (split over CP ranks); a sample never spans two"
+    )
+    use_distributed_optimizer: bool = doc_field(True, "shard fp32 master weights and Adam states over DP (x CP)")
+    offload_optimizer: bool = doc_field(False, "keep optimizer state on CPU outside the optimizer step")
+
+
+@dataclass
+class CriticConfig(OptimConfig):
+    enable: bool = doc_field(False, "train a critic (required by gae / egae)")
+    init_from: str = doc_field("actor", "'actor' (copy the actor's backbone + new value head) or a checkpoint path")
+    lr: float = doc_field(2e-6, "peak learning rate")
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = doc_field(1000, "rollout steps to train")
+    seed: int = doc_field(1, "global seed (model init, sampling)")
+    run_dir: str = doc_field("runs/default", "output directory: resolved config, checkpoints, TensorBoard logs")
+    save_interval: int = doc_field(50, "checkpoint every N steps (0 = only at the end)")
+    keep_last: int | None = doc_field(3, "checkpoints to keep; null = keep all")
+    eval_interval: int = doc_field(50, "evaluate every N steps (0 = never)")
+    log_interval: int = doc_field(1, "log metrics every N steps")
+    resume: bool = doc_field(False, "resume from the latest checkpoint in run_dir")
+    tensorboard: bool = doc_field(True, "write TensorBoard event files under run_dir/tb")
+    val_before_train: bool = doc_field(False, "evaluate once before the first step")
+
+
+@dataclass
+class EvalConfig:
+    n_samples: int = doc_field(32, "samples per prompt (avg@k)")
+    temperature: float = doc_field(1.0, "eval sampling temperature")
+    top_p: float = doc_field(0.7, "eval nucleus threshold")
+    max_new_tokens: int = doc_field(20480, "eval generation cap")
+    every: int | None = doc_field(None, "evaluate every N steps; null = trainer.eval_interval")
+
+
+@dataclass
+class SftConfig:
+    data_path: str | None = doc_field(None, "SFT data (.jsonl with prompt/response or messages)")
+    epochs: int = doc_field(1, "passes over the SFT data")
+    lr: float = doc_field(1e-5, "SFT peak learning rate")
+    batch_size: int = doc_field(64, "samples per optimizer step")
+    max_len: int = doc_field(4096, "longer samples are skipped and counted")
+
+
+def default_reward() -> dict[str, Any]:
+    return {"correct_score": 1.0, "incorrect_score": -1.0}
+
+
+@dataclass
+class MegaRLConfig:
+    model: ModelConfig = doc_field(ModelConfig(), "model and precision")
+    parallel: ParallelConfig = doc_field(ParallelConfig(), "parallel layout")
+    data: DataConfig = doc_field(DataConfig(), "prompt data")
+    rollout: RolloutConfig = doc_field(RolloutConfig(), "generation")
+    algorithm: AlgorithmConfig = doc_field(AlgorithmConfig(), "advantages, losses, shaping")
+    actor: OptimConfig = doc_field(OptimConfig(), "actor optimizer and micro-batching")
+    critic: CriticConfig = doc_field(CriticConfig(), "critic optimizer and micro-batching")
+    reward: dict[str, Any] = doc_field(
+        default_reward(), "free-form reward settings, validated by megarl.rewards (RewardConfig)"
+    )
+    trainer: TrainerConfig = doc_field(TrainerConfig(), "loop, checkpoints, logging")
+    eval: EvalConfig = doc_field(EvalConfig(), "evaluation sampling")
+    sft: SftConfig = doc_field(SftConfig(), "supervised fine-tuning (megarl sft)")

@@ -1,0 +1,168 @@
+"""CPU runtime: lets megatron-core's own TP/PP/DP code run on CPU tensors with gloo.
+
+megatron-core 0.16.1 assumes CUDA in a handful of places (see shared/reference/megatron_cpu.md).
+`activate()` patches exactly those, process-wide, and only when CUDA is absent:
+
+1. `torch.cuda.current_device()` returns the CPU device, so code that moves buffers "to the
+   current device" (RoPE `inv_freq`, the global memory buffer, DDP grad buffers) stays on CPU.
+2. A `TorchFunctionMode` rewrites `device="cuda"` / integer device arguments of factory calls
+   and `.to()` to CPU, and makes `Tensor.cuda()` return the tensor itself.
+3. The model-parallel RNG tracker's CUDA RNG get/set/seed functions use the CPU generator, so
+   `model_parallel_cuda_manual_seed` and `get_cuda_rng_tracker().fork()` work (dropout RNG
+   therefore differs from GPU runs).
+4. Stream/event/synchronize/empty_cache become no-ops (`torch.cuda.Stream`, `Event`, `stream`).
+5. `Tensor.type()` (no arguments) reports CUDA type names ('torch.cuda.FloatTensor'): the
+   optimizers and gradient clipping check those names before wrapping parameters or scaling
+   grads, and with it megatron's own clipping path (local multi-tensor fallbacks) runs on CPU.
+
+The runtime never activates when `torch.cuda.is_available()`; `activate()` raises instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+log = logging.getLogger(__name__)
+
+_ACTIVE = False
+_CPU = torch.device("cpu")
+
+
+def is_active() -> bool:
+    return _ACTIVE
+
+
+def _is_cuda_device(device) -> bool:
+    if device is None:
+        return False
+    if isinstance(device, int):
+        return True
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return False
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA device arguments to CPU for every torch function / tensor method."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs = dict(kwargs, device=_CPU)
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # megatron checks type names like 'torch.cuda.FloatTensor' before wrapping params
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], _CPU, *args[2:])
+        return func(*args, **kwargs)
+
+
+class _NoopStream:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return _NoopEvent()
+
+    def synchronize(self):
+        pass
+
+
+class _NoopEvent:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, *args, **kwargs):
+        pass
+
+    def wait(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+def _cpu_get_rng_state(*args, **kwargs):
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state, *args, **kwargs):
+    torch.set_rng_state(new_state)
+
+
+def _cpu_manual_seed(seed):
+    torch.default_generator.manual_seed(int(seed))
+
+
+def _patch_torch_cuda() -> None:
+    cuda = torch.cuda
+    cuda.current_device = lambda: _CPU
+    cuda.synchronize = lambda *a, **k: None
+    cuda.empty_cache = lambda *a, **k: None
+    cuda.Stream = _NoopStream
+    cuda.Event = _NoopEvent
+    cuda.current_stream = lambda *a, **k: _NoopStream()
+    cuda.default_stream = lambda *a, **k: _NoopStream()
+    cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    cuda.set_device = lambda *a, **k: None
+    cuda.manual_seed = _cpu_manual_seed
+    cuda.manual_seed_all = lambda seed: None  # torch.manual_seed already seeded the CPU generator
+    cuda.get_rng_state = _cpu_get_rng_state
+    cuda.set_rng_state = _cpu_set_rng_state
+    cuda.memory_allocated = lambda *a, **k: 0
+    cuda.max_memory_allocated = lambda *a, **k: 0
+
+
+def _patch_megatron() -> None:
+    from megatron.core.tensor_parallel import random as mp_random
+
+    mp_random._get_cuda_rng_state = _cpu_get_rng_state
+    mp_random._set_cuda_rng_state = _cpu_set_rng_state
+
+
+def activate() -> None:
+    """Installs the CPU runtime process-wide. Idempotent. Raises if CUDA is available."""
+    global _ACTIVE
+    if _ACTIVE:
+        return
+    if torch.cuda.is_available():
+        raise RuntimeError("megarl CPU runtime must not be activated when CUDA is available")
+    _patch_torch_cuda()
+    _patch_megatron()
+    mode = _CudaToCpuMode()
+    mode.__enter__()  # stays on the mode stack for the life of the process
+    _ACTIVE = True
+    log.info("megarl CPU runtime active: megatron-core runs on CPU tensors with gloo")
+
+
+def requires_cpu_runtime(fn):
+    """Decorator for tests/tools: activates the runtime when no GPU is present."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if not torch.cuda.is_available():
+            activate()
+        return fn(*args, **kwargs)
+
+    return wrapper

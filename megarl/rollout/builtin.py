@@ -1,0 +1,370 @@
+"""Builtin rollout engine: batched generation with a preallocated KV cache, pure torch.
+
+Runs on CPU (tests, quickstart) and on one GPU (small runs). Architecture: `torch_model.DecoderLM`
+(Qwen2/2.5, Qwen3, Llama 3); sampling: `sampling.py`.
+
+Batching. Prompts are left-padded so every row writes the same cache slot at each decode step;
+positions start at 0 at each row's first real token and pad keys are masked. With `n > 1` each
+distinct prompt is prefilled once and its cache rows are repeated. Finished rows stay in the batch
+(their tokens are ignored) until at least 1/8 of the rows are finished, then the batch is compacted,
+so long-tail samples run in a small batch.
+
+Log-probs. `Sample.logprobs[i]` is the log-probability of `response_ids[i]` under the distribution
+it was sampled from (temperature, top-k, top-p applied and renormalised; FIRE's first token under
+the FIRE distribution). Greedy (temperature 0) reports the unmodified log-softmax (temperature 1).
+
+Finish reasons: "stop" (EOS id from config.json / generation_config.json, a stop token id, or a
+stop string; the token that completes it is kept in `response_ids` and `text`), "length"
+(`max_new_tokens` or the context length reached), "truncated" (T-PPO `window` reached first;
+`continue_samples` resumes it under the current weights, re-prefilling prompt + response).
+
+Memory. The KV cache lives only for the duration of a generate call. `release_memory()` moves the
+weights to CPU on GPU (`discard_weights=True` frees them instead; then `update_weights` must run
+after `resume_memory()` before the next generate). On CPU, `release_memory()` keeps the weights
+in place unless `discard_weights=True`.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from megarl.rollout.checkpoint import (
+    eos_token_ids, has_tokenizer, iter_checkpoint_buckets, read_config)
+from megarl.rollout.sampling import sample_tokens, token_samplers
+from megarl.rollout.torch_model import DecoderLM, KVCache, ModelArgs, model_args_from_hf_config
+from megarl.rollout.types import Sample, SamplingParams
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+# Checkpoint entries that are not parameters (old HF checkpoints stored the rotary table).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_COMPACT_FRACTION = 8  # compact the batch once >= 1/8 of its rows are finished
+
+
+def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported (choose from {sorted(_DTYPES)})")
+    return _DTYPES[dtype]
+
+
+@dataclass
+class _Row:
+    """One sequence being generated in this call."""
+
+    response: list[int]  # response so far, including tokens of earlier segments
+    budget: int  # new tokens allowed in this call
+    window_limited: bool  # reaching the budget means "truncated", not "length"
+    new_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class BuiltinEngine:
+    """RolloutEngine in pure torch. See the module docstring for semantics."""
+
+    def __init__(self, config: Any, *, dtype: torch.dtype | str = torch.float32,
+                 device: str | torch.device = "cpu", tokenizer: Any = None,
+                 eos_token_ids: Sequence[int] | None = None, max_context: int | None = None):
+        self.args: ModelArgs = model_args_from_hf_config(config)
+        self.dtype = parse_dtype(dtype)
+        self.device = torch.device(device)
+        self.tokenizer = tokenizer
+        if eos_token_ids is None:
+            eos_token_ids = [] if isinstance(config, ModelArgs) else _config_eos(config)
+        self.eos_token_ids = [int(t) for t in eos_token_ids]
+        self.max_context = min(max_context or self.args.max_position_embeddings,
+                               self.args.max_position_embeddings)
+        self.model = DecoderLM.empty(self.args, self.dtype, self.device)
+        self._shapes = {n: p.shape for n, p in self.model.named_parameters()}
+        self._loaded: set[str] = set()
+        self.weight_version = 0
+        self._released = False
+        self._discarded = False
+
+    @classmethod
+    def from_pretrained(cls, hf_dir: str | Path, *, dtype: torch.dtype | str = torch.float32,
+                        device: str | torch.device = "cpu", tokenizer: Any = "auto",
+                        max_context: int | None = None) -> "BuiltinEngine":
+        """Loads config.json + safetensors (single file or sharded with an index).
+
+        tokenizer="auto" loads `AutoTokenizer.from_pretrained(hf_dir)` when tokenizer files are
+        present; pass a tokenizer object or None to override.
+        """
+        config = read_config(hf_dir)
+        if isinstance(tokenizer, str) and tokenizer == "auto":
+            tokenizer = None
+            if has_tokenizer(hf_dir):
+                from transformers import AutoTokenizer
+                tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+        engine = cls(config, dtype=dtype, device=device, tokenizer=tokenizer,
+                     eos_token_ids=eos_token_ids(config, hf_dir), max_context=max_context)
+        engine.update_weights(iter_checkpoint_buckets(hf_dir))
+        return engine
+
+    # ------------------------------------------------------------------ weights and memory
+
+    @property
+    def weights_ready(self) -> bool:
+        return self._loaded == set(self._shapes)
+
+    def update_weights(self, stream: Iterable[list[tuple[str, torch.Tensor]]],
+                       strict: bool = True) -> None:
+        """Copies full HF-named tensors into the model; any order, any bucket split.
+
+        strict: every parameter must appear in this stream (otherwise ValueError). With
+        strict=False a partial update is allowed; generation still requires that every parameter
+        was loaded at least once since construction (or since weights were discarded).
+        """
+        if self._released:
+            raise RuntimeError("update_weights: engine memory is released; call resume_memory() first")
+        params = dict(self.model.named_parameters())
+        seen: set[str] = set()
+        for bucket in stream:
+            for name, tensor in bucket:
+                key = self._param_key(name)
+                if key is None:
+                    continue
+                if key not in params:
+                    raise ValueError(f"update_weights: unknown weight {name!r} for a "
+                                     f"{self.args.model_type} model")
+                if tuple(tensor.shape) != tuple(params[key].shape):
+                    raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, "
+                                     f"expected {tuple(params[key].shape)}")
+                params[key].data.copy_(tensor)
+                seen.add(key)
+        self._loaded |= seen
+        missing = sorted(set(params) - seen)
+        if strict and missing:
+            self._loaded -= set(missing)
+            raise ValueError(f"update_weights: {len(missing)} weights missing from the stream, "
+                             f"e.g. {missing[:5]}")
+        self.weight_version += 1
+
+    def _param_key(self, name: str) -> str | None:
+        if name.endswith(_IGNORED_SUFFIXES):
+            return None
+        if name == "lm_head.weight" and self.args.tie_word_embeddings:
+            return "model.embed_tokens.weight"
+        return name
+
+    def release_memory(self, discard_weights: bool = False) -> None:
+        """Frees accelerator memory for training (weights to CPU on GPU, or dropped if asked)."""
+        if self._released:
+            return
+        for param in self.model.parameters():
+            if discard_weights:
+                param.data = torch.empty(0, dtype=self.dtype, device=self.device)
+            elif self.device.type != "cpu":
+                param.data = param.data.to("cpu")
+        if discard_weights:
+            self._loaded.clear()
+        self._released, self._discarded = True, discard_weights
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def resume_memory(self) -> None:
+        """Undoes `release_memory`; after a discard, weights must be streamed again."""
+        if not self._released:
+            return
+        for name, param in self.model.named_parameters():
+            if self._discarded:
+                param.data = torch.empty(self._shapes[name], dtype=self.dtype, device=self.device)
+            elif self.device.type != "cpu":
+                param.data = param.data.to(self.device)
+        self._released = self._discarded = False
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Sample]:
+        """`sampling.n` samples per prompt, prompt-major order (Sample.index = prompt index)."""
+        self._check_call(sampling)
+        prompts = [self._check_tokens(p, f"prompt {i}") for i, p in enumerate(prompts)]
+        for i, p in enumerate(prompts):
+            if len(p) >= self.max_context:
+                raise ValueError(f"prompt {i} has {len(p)} tokens; the engine context is "
+                                 f"{self.max_context} tokens, which leaves no room for a response")
+        rows = []
+        for p in prompts:
+            budget, window_limited = self._budget(len(p), 0, sampling)
+            rows += [_Row([], budget, window_limited) for _ in range(sampling.n)]
+        if prompts:
+            self._run(prompts, sampling.n, rows, sampling, first_segment=True)
+        samples = []
+        for r, row in enumerate(rows):
+            index = r // sampling.n
+            samples.append(self._make_sample(prompts[index], row, index, meta={}))
+        return samples
+
+    def continue_samples(self, samples: Sequence[Sample], sampling: SamplingParams) -> list[Sample]:
+        """Continues "truncated" samples under the current weights (T-PPO).
+
+        The prompt and the response so far are prefilled again; new tokens and log-probs are
+        appended. `max_new_tokens` bounds the whole response; `window` bounds this segment. FIRE
+        does not apply (the first response token already exists). Inputs are not modified.
+        """
+        self._check_call(sampling)
+        if sampling.n != 1:
+            raise ValueError(f"continue_samples: SamplingParams.n must be 1 (got {sampling.n})")
+        contexts, rows, runnable = [], [], []
+        for i, s in enumerate(samples):
+            if s.finish_reason != "truncated":
+                raise ValueError(f"continue_samples: sample {i} has finish_reason "
+                                 f"{s.finish_reason!r}; only 'truncated' samples can be continued")
+            if len(s.logprobs) != len(s.response_ids):
+                raise ValueError(f"continue_samples: sample {i} has {len(s.response_ids)} response "
+                                 f"ids but {len(s.logprobs)} logprobs")
+            prompt = self._check_tokens(s.prompt_ids, f"sample {i} prompt_ids")
+            response = self._check_tokens(s.response_ids, f"sample {i} response_ids", allow_empty=True)
+            budget, window_limited = self._budget(len(prompt) + len(response), len(response), sampling)
+            row = _Row(list(response), max(budget, 0), window_limited)
+            if budget <= 0:
+                row.finish_reason = "length"
+            else:
+                contexts.append(prompt + response)
+                runnable.append(row)
+            rows.append(row)
+        if contexts:
+            self._run(contexts, 1, runnable, sampling, first_segment=False)
+        out = []
+        for s, row in zip(samples, rows):
+            cont = self._make_sample(list(s.prompt_ids), row, s.index, meta=dict(s.meta))
+            cont.response_ids = list(s.response_ids) + cont.response_ids
+            cont.logprobs = list(s.logprobs) + cont.logprobs
+            cont.text = self._decode(cont.response_ids)
+            out.append(cont)
+        return out
+
+    def _check_call(self, sampling: SamplingParams) -> None:
+        sampling.validate()
+        if sampling.stop and self.tokenizer is None:
+            raise ValueError("SamplingParams.stop needs a tokenizer; pass tokenizer= to the engine")
+        if self._released:
+            raise RuntimeError("engine memory is released; call resume_memory() before generating")
+        if not self.weights_ready:
+            missing = sorted(set(self._shapes) - self._loaded)
+            raise RuntimeError(f"engine has no complete weights ({len(missing)} never loaded, e.g. "
+                               f"{missing[:3]}); call update_weights() or use from_pretrained()")
+
+    def _check_tokens(self, ids: Any, what: str, allow_empty: bool = False) -> list[int]:
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence | torch.Tensor):
+            raise ValueError(f"{what}: expected a list of token ids, got {type(ids).__name__}")
+        ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        if not ids and not allow_empty:
+            raise ValueError(f"{what} is empty")
+        vocab = self.args.vocab_size
+        for j, t in enumerate(ids):
+            try:
+                ids[j] = t = operator.index(t)
+            except TypeError:
+                raise ValueError(f"{what}: token {t!r} at position {j} is not an integer") from None
+            if not 0 <= t < vocab:
+                raise ValueError(f"{what}: token {t} at position {j} is outside the vocabulary "
+                                 f"[0, {vocab})")
+        return ids
+
+    def _budget(self, context_len: int, done: int, sampling: SamplingParams) -> tuple[int, bool]:
+        limit = min(sampling.max_new_tokens - done, self.max_context - context_len)
+        if sampling.window is not None and sampling.window < limit:
+            return sampling.window, True
+        return limit, False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
+
+    def _make_sample(self, prompt: list[int], row: _Row, index: int, meta: dict) -> Sample:
+        meta.setdefault("weight_versions", [])
+        meta["weight_versions"] = list(meta["weight_versions"]) + [self.weight_version]
+        return Sample(prompt_ids=list(prompt), response_ids=row.new_ids,
+                      logprobs=row.new_logprobs, finish_reason=row.finish_reason,
+                      text=self._decode(row.new_ids), index=index, meta=meta)
+
+    def _stop_hit(self, row: _Row, token: int, stop_ids: set[int], stops: list[str],
+                  tail: int) -> bool:
+        if token in stop_ids:
+            return True
+        if not stops:
+            return False
+        text = self.tokenizer.decode(row.response[-tail:], skip_special_tokens=False)
+        before = self.tokenizer.decode(row.response[-tail:-1], skip_special_tokens=False)
+        return any(s in text and s not in before for s in stops)
+
+    @torch.inference_mode()
+    def _run(self, contexts: list[list[int]], repeat: int, rows: list[_Row],
+             sampling: SamplingParams, first_segment: bool) -> None:
+        """Generates for `rows` (row r continues contexts[r // repeat]); fills the rows in place."""
+        dev = self.device
+        first_sampler, sampler = token_samplers(sampling)
+        if not first_segment:
+            first_sampler = sampler
+        seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(8), "little")
+        generator = torch.Generator(device=dev).manual_seed(seed)
+        stop_ids = set(sampling.stop_token_ids) | set(self.eos_token_ids)
+        tail = 4 * max((len(s) for s in sampling.stop), default=0) + 8
+
+        lens = torch.tensor([len(c) for c in contexts])
+        prompt_len = int(lens.max())
+        max_steps = max(row.budget for row in rows)
+        pads = (prompt_len - lens).to(dev)
+        tokens = torch.zeros(len(contexts), prompt_len, dtype=torch.long)
+        for i, c in enumerate(contexts):
+            tokens[i, prompt_len - len(c):] = torch.tensor(c)
+        tokens = tokens.to(dev)
+        key_valid = torch.arange(prompt_len + max_steps, device=dev)[None] >= pads[:, None]
+        positions = (torch.arange(prompt_len, device=dev)[None] - pads[:, None]).clamp(min=0)
+        causal = torch.ones(prompt_len, prompt_len, dtype=torch.bool, device=dev).tril()
+        diag = torch.eye(prompt_len, dtype=torch.bool, device=dev)  # pad queries see themselves
+        mask = (causal[None] & key_valid[:, None, :prompt_len]) | diag[None]
+
+        cache = KVCache.allocate(self.args, len(contexts), prompt_len + max_steps, self.dtype, dev)
+        logits = self.model(tokens, positions, cache, 0, mask[:, None])
+        next_pos = lens.to(dev)
+        if repeat > 1:
+            cache.repeat_rows(repeat)
+            logits, key_valid, next_pos = (t.repeat_interleave(repeat, dim=0)
+                                           for t in (logits, key_valid, next_pos))
+
+        active = list(range(len(rows)))  # batch slot -> row index
+        alive = [True] * len(rows)
+        for step in range(max_steps):
+            token_t, logprob_t = sample_tokens(logits, first_sampler if step == 0 else sampler,
+                                               generator)
+            for b, (tok, lp) in enumerate(zip(token_t.tolist(), logprob_t.tolist())):
+                if not alive[b]:
+                    continue
+                row = rows[active[b]]
+                row.new_ids.append(tok)
+                row.new_logprobs.append(lp)
+                row.response.append(tok)
+                if self._stop_hit(row, tok, stop_ids, sampling.stop, tail):
+                    row.finish_reason = "stop"
+                elif len(row.new_ids) == row.budget:
+                    row.finish_reason = "truncated" if row.window_limited else "length"
+                alive[b] = row.finish_reason is None
+            n_alive = sum(alive)
+            if n_alive == 0:
+                break
+            if (len(alive) - n_alive) * _COMPACT_FRACTION >= len(alive):
+                keep = [b for b, a in enumerate(alive) if a]
+                keep_t = torch.tensor(keep, device=dev)
+                cache.select_rows(keep_t)
+                key_valid, next_pos, token_t = (t.index_select(0, keep_t)
+                                                for t in (key_valid, next_pos, token_t))
+                active = [active[b] for b in keep]
+                alive = [True] * len(keep)
+            slot = prompt_len + step
+            logits = self.model(token_t[:, None], next_pos[:, None], cache, slot,
+                                key_valid[:, None, None, :slot + 1])
+            next_pos = next_pos + 1
+
+
+def _config_eos(config: Any) -> list[int]:
+    cfg = config if isinstance(config, dict) else config.to_dict()
+    return eos_token_ids(cfg)

@@ -1,0 +1,305 @@
+"""A compact decoder-only transformer for the builtin rollout engine.
+
+Covers the dense HF families Qwen2 / Qwen2.5 (q/k/v bias), Qwen3 (per-head q/k RMSNorm) and
+Llama 3 (optional llama3 rope scaling, tied or untied embeddings). Module attribute names mirror
+the HF checkpoint names (`model.layers.0.self_attn.q_proj.weight`, ...), so `state_dict()` keys
+are HF names and loading a weight stream is a name lookup.
+
+Numerics follow transformers 4.57 (`models/{qwen2,qwen3,llama}/modeling_*.py`,
+`modeling_rope_utils.py`): RMSNorm in fp32 then cast back before the weight multiply, rotary
+cos/sin computed in fp32 and cast to the activation dtype, `rotate_half` RoPE layout.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """Architecture of one decoder (everything the forward pass needs from config.json)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+
+
+def _get(cfg: dict, key: str, default: Any = None) -> Any:
+    value = cfg.get(key, default)
+    return default if value is None else value
+
+
+def _common_args(cfg: dict) -> dict:
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads"):
+        if key not in cfg:
+            raise ValueError(f"config.json: missing field {key!r} (model_type={cfg.get('model_type')})")
+    if _get(cfg, "hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json: hidden_act={cfg['hidden_act']!r} is not supported (only 'silu')")
+    layer_types = cfg.get("layer_types") or []
+    if cfg.get("use_sliding_window") or any(t != "full_attention" for t in layer_types):
+        raise ValueError("config.json: sliding-window attention is not supported by the builtin engine")
+    n_heads = cfg["num_attention_heads"]
+    return dict(
+        model_type=cfg["model_type"],
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=n_heads,
+        num_kv_heads=_get(cfg, "num_key_value_heads", n_heads),
+        head_dim=_get(cfg, "head_dim", cfg["hidden_size"] // n_heads),
+        rms_norm_eps=float(_get(cfg, "rms_norm_eps", 1e-6)),
+        rope_theta=float(_get(cfg, "rope_theta", 10000.0)),
+        rope_scaling=cfg.get("rope_scaling"),
+        max_position_embeddings=int(_get(cfg, "max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(_get(cfg, "tie_word_embeddings", False)),
+    )
+
+
+def _qwen2_args(cfg: dict) -> ModelArgs:
+    return ModelArgs(**_common_args(cfg), qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False)
+
+
+def _qwen3_args(cfg: dict) -> ModelArgs:
+    bias = bool(_get(cfg, "attention_bias", False))
+    return ModelArgs(**_common_args(cfg), qkv_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=True)
+
+
+def _llama_args(cfg: dict) -> ModelArgs:
+    bias = bool(_get(cfg, "attention_bias", False))
+    return ModelArgs(**_common_args(cfg), qkv_bias=bias, o_bias=bias,
+                     mlp_bias=bool(_get(cfg, "mlp_bias", False)), qk_norm=False)
+
+
+MODEL_FAMILIES: dict[str, Callable[[dict], ModelArgs]] = {
+    "qwen2": _qwen2_args,
+    "qwen3": _qwen3_args,
+    "llama": _llama_args,
+}
+
+
+def model_args_from_hf_config(config: Any) -> ModelArgs:
+    """HF config (dict, `PretrainedConfig` or `ModelArgs`) -> `ModelArgs`."""
+    if isinstance(config, ModelArgs):
+        return config
+    cfg = config if isinstance(config, dict) else config.to_dict()
+    model_type = cfg.get("model_type")
+    if model_type not in MODEL_FAMILIES:
+        raise ValueError(f"config.json: model_type={model_type!r} is not supported by the builtin "
+                         f"engine (supported: {sorted(MODEL_FAMILIES)})")
+    return MODEL_FAMILIES[model_type](cfg)
+
+
+def rope_inv_freq(args: ModelArgs) -> tuple[torch.Tensor, float]:
+    """Inverse RoPE frequencies and the cos/sin scale, as `ROPE_INIT_FUNCTIONS` computes them.
+
+    default: inv_freq_i = 1 / theta^(2i/d), i = 0..d/2-1.
+    linear:  inv_freq / factor.
+    llama3:  wavelen = 2π / inv_freq; wavelen > L/low_ff -> inv_freq / factor; wavelen < L/high_ff
+             -> unchanged; otherwise (1 - s) * inv_freq / factor + s * inv_freq with
+             s = (L / wavelen - low_ff) / (high_ff - low_ff), L = original_max_position_embeddings.
+    The scale (`attention_factor`) is 1 for all three.
+    """
+    dim = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = args.rope_scaling or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return inv_freq, 1.0
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"], 1.0
+    if rope_type == "llama3":
+        factor = scaling["factor"]
+        low_ff, high_ff = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low_ff, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low_ff) / (high_ff - low_ff)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < old_len / high_ff) * ~(wavelen > old_len / low_ff)
+        return torch.where(is_medium, smoothed, scaled), 1.0
+    raise ValueError(f"config.json: rope_scaling type {rope_type!r} is not supported by the builtin "
+                     "engine (supported: default, linear, llama3)")
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [B, T] -> cos, sin [B, 1, T, head_dim]; angle = position * inv_freq (fp32)."""
+    freqs = positions.float()[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos() * scale, emb.sin() * scale
+    return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    """y = w * (x / sqrt(mean(x^2) + eps)), normalised in fp32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class KVCache:
+    """Per-layer key/value buffers [B, n_kv_heads, max_len, head_dim], preallocated once.
+
+    Rows are sequences; slots are aligned across rows (prompts are left-padded).
+    """
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]):
+        self.keys, self.values = keys, values
+
+    @classmethod
+    def allocate(cls, args: ModelArgs, batch: int, max_len: int, dtype: torch.dtype,
+                 device: torch.device) -> "KVCache":
+        shape = (batch, args.num_kv_heads, max_len, args.head_dim)
+        return cls([torch.empty(shape, dtype=dtype, device=device) for _ in range(args.num_layers)],
+                   [torch.empty(shape, dtype=dtype, device=device) for _ in range(args.num_layers)])
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.keys = [k.index_select(0, rows) for k in self.keys]
+        self.values = [v.index_select(0, rows) for v in self.values]
+
+    def repeat_rows(self, n: int) -> None:
+        self.keys = [k.repeat_interleave(n, dim=0) for k in self.keys]
+        self.values = [v.repeat_interleave(n, dim=0) for v in self.values]
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        h, d = args.hidden_size, args.head_dim
+        self.q_proj = nn.Linear(h, args.num_heads * d, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(h, args.num_kv_heads * d, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(h, args.num_kv_heads * d, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(args.num_heads * d, h, bias=args.o_bias)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(d, args.rms_norm_eps)
+            self.k_norm = RMSNorm(d, args.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, start: int, mask: torch.Tensor) -> torch.Tensor:
+        a = self.args
+        bsz, t, _ = x.shape
+        q = self.q_proj(x).view(bsz, t, a.num_heads, a.head_dim)
+        k = self.k_proj(x).view(bsz, t, a.num_kv_heads, a.head_dim)
+        v = self.v_proj(x).view(bsz, t, a.num_kv_heads, a.head_dim)
+        if a.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        k_cache[:, :, start:start + t] = k
+        v_cache[:, :, start:start + t] = v
+        out = F.scaled_dot_product_attention(
+            q, k_cache[:, :, :start + t], v_cache[:, :, :start + t], attn_mask=mask,
+            scale=a.head_dim ** -0.5, enable_gqa=a.num_heads != a.num_kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(bsz, t, a.num_heads * a.head_dim))
+
+
+class MLP(nn.Module):
+    """down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        h, i, b = args.hidden_size, args.intermediate_size, args.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=b)
+        self.up_proj = nn.Linear(h, i, bias=b)
+        self.down_proj = nn.Linear(i, h, bias=b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.self_attn = Attention(args)
+        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, start, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, start, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Backbone(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class DecoderLM(nn.Module):
+    """Causal LM whose `state_dict()` keys are the HF checkpoint names."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = _Backbone(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.tie_weights()
+        inv_freq, self.rope_scale = rope_inv_freq(args)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @classmethod
+    def empty(cls, args: ModelArgs, dtype: torch.dtype, device: torch.device) -> "DecoderLM":
+        """Allocates parameters without initialising them (weights come from a stream)."""
+        with torch.device("meta"):
+            model = cls(args)
+        model = model.to(dtype=dtype).to_empty(device=device)
+        model.tie_weights()
+        model.inv_freq = rope_inv_freq(args)[0].to(device)  # to_empty left it uninitialised
+        return model.eval().requires_grad_(False)
+
+    def tie_weights(self) -> None:
+        if self.args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, start: int,
+                mask: torch.Tensor) -> torch.Tensor:
+        """Logits [B, V] (fp32) of the last position.
+
+        tokens, positions: [B, T]; written to cache slots [start, start + T).
+        mask: bool [B, 1, T, start + T], True where a query may attend to a key.
+        """
+        x = self.model.embed_tokens(tokens)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scale, x.dtype)
+        for layer, k_cache, v_cache in zip(self.model.layers, cache.keys, cache.values):
+            x = layer(x, cos, sin, k_cache, v_cache, start, mask)
+        return self.lm_head(self.model.norm(x[:, -1])).float()

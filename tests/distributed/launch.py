@@ -1,0 +1,32 @@
+"""Runs a script under torchrun with N gloo ranks and returns its JSON result (written by rank 0)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_torchrun(script: str | Path, nproc: int, args: list[str], out_json: Path, timeout: int = 600) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+        str(script), "--out", str(out_json), *args,
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    if proc.returncode != 0:
+        tail = (proc.stdout + proc.stderr)[-6000:]
+        raise AssertionError(f"torchrun {script} failed (rc={proc.returncode}):\n{tail}")
+    return json.loads(Path(out_json).read_text())
