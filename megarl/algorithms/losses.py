@@ -272,10 +272,12 @@ def positive_example_nll(
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Per-position entropy of softmax(logits) over the last axis: H = logsumexp(z) - sum_v p_v z_v.
 
-    Numerically stable for large logits (no exp overflow); -inf logits (banned tokens) contribute 0.
+    Stable: z is first shifted by its max (H is shift-invariant), so there is neither exp overflow
+    nor cancellation between two large numbers; -inf logits (banned tokens) contribute 0.
     Computed in at least float32. No reduction.
     """
     z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    z = z - z.detach().amax(dim=-1, keepdim=True).clamp(min=torch.finfo(z.dtype).min)
     lse = torch.logsumexp(z, dim=-1, keepdim=True)
     p = torch.exp(z - lse)
     pz = torch.where(p > 0, p * z, torch.zeros_like(p))

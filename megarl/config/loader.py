@@ -195,7 +195,7 @@ class _Converter:
         self.errors: list[str] = []
 
     def where(self, path: str) -> str:
-        probe = path
+        probe = re.sub(r"(\[\d+\])+$", "", path)
         while probe:
             if probe in self.prov:
                 return self.prov[probe]
@@ -307,14 +307,14 @@ def _show(value: Any) -> str:
 
 
 def _suggest(key: str, fields: dict, parent: str) -> str:
-    close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.6)
-    if close:
-        where = f"{parent}.{close[0]}" if parent else close[0]
-        return f"; did you mean '{where}'?"
     # the key may belong to another section (e.g. actor.clip_high -> algorithm.clip_high)
     leaves = [p for p in field_docs() if p.rsplit(".", 1)[-1] == key]
     if leaves:
         return f"; did you mean '{leaves[0]}'?"
+    close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.6)
+    if close:
+        where = f"{parent}.{close[0]}" if parent else close[0]
+        return f"; did you mean '{where}'?"
     return f"; valid keys: {', '.join(sorted(fields))}"
 
 

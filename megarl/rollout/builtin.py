@@ -36,7 +36,7 @@ import torch
 
 from megarl.rollout.checkpoint import (
     eos_token_ids, has_tokenizer, iter_checkpoint_buckets, read_config)
-from megarl.rollout.sampling import sample_tokens, token_samplers
+from megarl.rollout.sampling import sample_tokens, segment_budget, token_samplers
 from megarl.rollout.torch_model import DecoderLM, KVCache, ModelArgs, model_args_from_hf_config
 from megarl.rollout.types import Sample, SamplingParams
 
@@ -271,10 +271,7 @@ class BuiltinEngine:
         return ids
 
     def _budget(self, context_len: int, done: int, sampling: SamplingParams) -> tuple[int, bool]:
-        limit = min(sampling.max_new_tokens - done, self.max_context - context_len)
-        if sampling.window is not None and sampling.window < limit:
-            return sampling.window, True
-        return limit, False
+        return segment_budget(context_len, done, sampling, self.max_context)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""

@@ -77,3 +77,17 @@ def sample_tokens(logits: torch.Tensor, sampler: TokenSampler,
     else:
         tokens = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def segment_budget(context_len: int, done: int, sampling: SamplingParams,
+                   max_context: int) -> tuple[int, bool]:
+    """New tokens allowed in this generate/continue segment, and whether the window set it.
+
+    budget = min(max_new_tokens - done, max_context - context_len, window). When the window is
+    strictly the smallest bound, reaching the budget means "truncated" (T-PPO, may continue);
+    otherwise it means "length". `done` is the response length produced by earlier segments.
+    """
+    limit = min(sampling.max_new_tokens - done, max_context - context_len)
+    if sampling.window is not None and sampling.window < limit:
+        return sampling.window, True
+    return limit, False

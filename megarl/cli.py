@@ -1,0 +1,83 @@
+"""`megarl` entry points.
+
+    megarl train --config configs/recipes/... [key=value ...]   (run under torchrun)
+    megarl sft --config ... [key=value ...]                      (run under torchrun)
+    megarl quickstart [--nproc 2] [key=value ...]                (spawns its own torchrun)
+    megarl config [--config ...] [--explain FIELD]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+
+def _setup_logging() -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"[rank{rank}] %(levelname)s %(name)s: %(message)s")
+    if rank != 0:
+        import warnings
+
+        warnings.filterwarnings("ignore")
+
+
+def _load(args):
+    from megarl.config import save_config
+    from megarl.config.cli import config_from_args
+
+    cfg = config_from_args(args)
+    if int(os.environ.get("RANK", "0")) == 0:
+        Path(cfg.trainer.run_dir).mkdir(parents=True, exist_ok=True)
+        save_config(cfg, str(Path(cfg.trainer.run_dir) / "config.yaml"))
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "config":
+        from megarl.config.cli import main as config_main
+
+        return config_main(rest)
+    if cmd == "quickstart":
+        from megarl.quickstart import launch
+
+        return launch(rest)
+    if cmd not in ("train", "sft"):
+        print(f"unknown command {cmd!r}\n{__doc__}", file=sys.stderr)
+        return 2
+    from megarl.config import ConfigError
+    from megarl.config.cli import add_config_arguments
+
+    parser = argparse.ArgumentParser(prog=f"megarl {cmd}")
+    add_config_arguments(parser)
+    args = parser.parse_args(rest)
+    _setup_logging()
+    try:
+        cfg = _load(args)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if cmd == "train":
+        from megarl.trainer.loop import train
+
+        train(cfg)
+    else:
+        from megarl.trainer.sft import sft
+
+        sft(cfg)
+    from megarl.parallel.distributed import destroy_distributed
+
+    destroy_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

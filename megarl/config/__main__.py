@@ -1,0 +1,5 @@
+import sys
+
+from megarl.config.cli import main
+
+sys.exit(main())

@@ -1,0 +1,189 @@
+"""Cross-field checks of a typed :class:`MegaRLConfig`.
+
+:func:`validate_config` runs at load time; :func:`validate_world` needs the world size (launchers,
+planner, process-group init); :func:`validate_model` needs the HF model config (model build).
+Each collects every problem and raises one :class:`ConfigError` naming the dotted fields.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from megarl.config.loader import ConfigError
+from megarl.config.schema import MegaRLConfig
+
+CRITIC_ADVANTAGES = ("gae", "egae")
+
+
+class _Errors:
+    def __init__(self, where: Callable[[str], str] | None):
+        self.where = where
+        self.items: list[str] = []
+
+    def check(self, ok: bool, path: str, msg: str) -> None:
+        if not ok:
+            src = f" (from {self.where(path)})" if self.where else ""
+            self.items.append(f"{path}{src}: {msg}")
+
+    def raise_if_any(self) -> None:
+        if self.items:
+            raise ConfigError(self.items)
+
+
+def validate_config(cfg: MegaRLConfig, where: Callable[[str], str] | None = None) -> None:
+    """Cross-field rules that need no world size and no model config."""
+    e = _Errors(where)
+    m, p, d, r, a = cfg.model, cfg.parallel, cfg.data, cfg.rollout, cfg.algorithm
+
+    for name in ("tp", "pp", "cp", "ep", "rollout_tp", "nodes", "gpus_per_node"):
+        e.check(getattr(p, name) >= 1, f"parallel.{name}", f"must be >= 1, got {getattr(p, name)}")
+    e.check(p.vpp is None or (p.vpp >= 1 and p.pp > 1), "parallel.vpp", f"needs parallel.pp > 1 and vpp >= 1 (pp={p.pp}, vpp={p.vpp})")
+    e.check(p.etp is None or p.etp >= 1, "parallel.etp", f"must be >= 1 or null, got {p.etp}")
+    e.check(not m.sequence_parallel or p.tp > 1, "model.sequence_parallel", "needs parallel.tp > 1")
+    e.check(m.fp8 is None or m.transformer_impl != "local", "model.fp8", "FP8 needs model.transformer_impl transformer_engine or auto")
+    e.check(m.fp8 is None or m.dtype == "bf16", "model.fp8", f"FP8 training runs on bf16 parameters (model.dtype={m.dtype})")
+    e.check(p.cp == 1 or m.transformer_impl != "local", "parallel.cp", "context parallelism needs Transformer Engine (model.transformer_impl != local)")
+    e.check(m.recompute_num_layers >= 1, "model.recompute_num_layers", f"must be >= 1, got {m.recompute_num_layers}")
+
+    e.check(d.max_prompt_len >= 1, "data.max_prompt_len", f"must be >= 1, got {d.max_prompt_len}")
+
+    e.check(r.n_samples_per_prompt >= 1, "rollout.n_samples_per_prompt", f"must be >= 1, got {r.n_samples_per_prompt}")
+    e.check(r.prompts_per_step >= 1, "rollout.prompts_per_step", f"must be >= 1, got {r.prompts_per_step}")
+    e.check(r.temperature > 0, "rollout.temperature", f"must be > 0, got {r.temperature}")
+    e.check(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
+    e.check(r.top_k == -1 or r.top_k >= 1, "rollout.top_k", f"must be -1 (off) or >= 1, got {r.top_k}")
+    e.check(r.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {r.max_new_tokens}")
+    e.check(0 < r.mem_fraction < 1, "rollout.mem_fraction", f"must be in (0, 1), got {r.mem_fraction}")
+    e.check(r.weight_bucket_mb >= 1, "rollout.weight_bucket_mb", f"must be >= 1, got {r.weight_bucket_mb}")
+    e.check(not r.fire or (r.fire_temperature > 0 and r.fire_top_k >= 1), "rollout.fire_top_k", "FIRE needs fire_temperature > 0 and fire_top_k >= 1")
+    e.check(r.window is None or 0 < r.window < r.max_new_tokens, "rollout.window", f"must be in (0, rollout.max_new_tokens={r.max_new_tokens}), got {r.window}")
+    e.check(r.window is None or a.advantage == "egae", "rollout.window", f"truncated rollouts need algorithm.advantage=egae (got {a.advantage})")
+    gen = r.gen_batch_prompts
+    e.check(gen is None or gen >= r.prompts_per_step, "rollout.gen_batch_prompts", f"must be >= rollout.prompts_per_step ({r.prompts_per_step}), got {gen}")
+    e.check(r.max_gen_batches >= 1, "rollout.max_gen_batches", f"must be >= 1, got {r.max_gen_batches}")
+
+    e.check(a.clip_low >= 0 and a.clip_low < 1, "algorithm.clip_low", f"must be in [0, 1), got {a.clip_low}")
+    e.check(a.clip_high >= 0, "algorithm.clip_high", f"must be >= 0, got {a.clip_high}")
+    e.check(a.clip_c is None or a.clip_c > 1, "algorithm.clip_c", f"dual-clip c must be > 1 (or null), got {a.clip_c}")
+    e.check(0 <= a.gamma <= 1, "algorithm.gamma", f"must be in [0, 1], got {a.gamma}")
+    e.check(0 <= a.lam_actor <= 1, "algorithm.lam_actor", f"must be in [0, 1], got {a.lam_actor}")
+    e.check(0 <= a.lam_critic <= 1, "algorithm.lam_critic", f"must be in [0, 1], got {a.lam_critic}")
+    alpha = a.length_adaptive_alpha
+    e.check(alpha is None or alpha > 0, "algorithm.length_adaptive_alpha", f"must be > 0 or null, got {alpha}")
+    e.check(alpha is None or a.advantage in CRITIC_ADVANTAGES, "algorithm.length_adaptive_alpha", f"applies to GAE advantages only (algorithm.advantage={a.advantage})")
+    needs_critic = a.advantage in CRITIC_ADVANTAGES
+    e.check(not needs_critic or cfg.critic.enable, "critic.enable", f"algorithm.advantage={a.advantage} needs a critic: set critic.enable=true")
+    e.check(a.value_pretrain_steps == 0 or cfg.critic.enable, "algorithm.value_pretrain_steps", "value pretraining needs critic.enable=true")
+    e.check(a.value_pretrain_steps >= 0, "algorithm.value_pretrain_steps", f"must be >= 0, got {a.value_pretrain_steps}")
+    e.check(a.value_clip is None or a.value_clip > 0, "algorithm.value_clip", f"must be > 0 or null, got {a.value_clip}")
+    e.check(a.kl_coef >= 0, "algorithm.kl_coef", f"must be >= 0, got {a.kl_coef}")
+    e.check(a.entropy_coef >= 0, "algorithm.entropy_coef", f"must be >= 0, got {a.entropy_coef}")
+    e.check(a.pos_lm_coef >= 0, "algorithm.pos_lm_coef", f"must be >= 0, got {a.pos_lm_coef}")
+    group_needed = a.advantage == "rloo" or a.dynamic_sampling
+    e.check(not group_needed or r.n_samples_per_prompt >= 2, "rollout.n_samples_per_prompt", f"must be >= 2 for rloo / dynamic sampling, got {r.n_samples_per_prompt}")
+    e.check(0 < a.overlong_cache_len < a.overlong_max_len, "algorithm.overlong_cache_len", f"must be in (0, algorithm.overlong_max_len={a.overlong_max_len}), got {a.overlong_cache_len}")
+    e.check(a.overlong_factor >= 0, "algorithm.overlong_factor", f"must be >= 0, got {a.overlong_factor}")
+    e.check(a.ppo_epochs >= 1, "algorithm.ppo_epochs", f"must be >= 1, got {a.ppo_epochs}")
+    batch = r.prompts_per_step * r.n_samples_per_prompt
+    e.check(a.mini_batch_size >= 1 and batch % a.mini_batch_size == 0, "algorithm.mini_batch_size",
+            f"must divide the rollout batch rollout.prompts_per_step * rollout.n_samples_per_prompt = {batch}, got {a.mini_batch_size}")
+
+    seq_max = d.max_prompt_len + r.max_new_tokens
+    for role in ("actor", "critic"):
+        o = getattr(cfg, role)
+        if role == "critic" and not cfg.critic.enable:
+            continue
+        e.check(o.lr > 0, f"{role}.lr", f"must be > 0, got {o.lr}")
+        e.check(0 <= o.min_lr <= o.lr, f"{role}.min_lr", f"must be in [0, {role}.lr={o.lr}], got {o.min_lr}")
+        e.check(o.lr_warmup_steps >= 0, f"{role}.lr_warmup_steps", f"must be >= 0, got {o.lr_warmup_steps}")
+        e.check(o.lr_decay_steps is None or o.lr_decay_steps >= 1, f"{role}.lr_decay_steps", f"must be >= 1 or null, got {o.lr_decay_steps}")
+        e.check(o.weight_decay >= 0, f"{role}.weight_decay", f"must be >= 0, got {o.weight_decay}")
+        e.check(0 <= o.adam_beta1 < 1, f"{role}.adam_beta1", f"must be in [0, 1), got {o.adam_beta1}")
+        e.check(0 <= o.adam_beta2 < 1, f"{role}.adam_beta2", f"must be in [0, 1), got {o.adam_beta2}")
+        e.check(o.adam_eps > 0, f"{role}.adam_eps", f"must be > 0, got {o.adam_eps}")
+        e.check(o.clip_grad >= 0, f"{role}.clip_grad", f"must be >= 0, got {o.clip_grad}")
+        e.check(o.max_tokens_per_microbatch >= seq_max, f"{role}.max_tokens_per_microbatch",
+                f"must hold one full sample: >= data.max_prompt_len + rollout.max_new_tokens = {seq_max}, got {o.max_tokens_per_microbatch}")
+        e.check(o.max_tokens_per_microbatch % p.cp == 0, f"{role}.max_tokens_per_microbatch", f"must be divisible by parallel.cp={p.cp}")
+
+    t = cfg.trainer
+    e.check(t.total_steps >= 1, "trainer.total_steps", f"must be >= 1, got {t.total_steps}")
+    e.check(t.save_interval >= 0, "trainer.save_interval", f"must be >= 0, got {t.save_interval}")
+    e.check(t.keep_last is None or t.keep_last >= 1, "trainer.keep_last", f"must be >= 1 or null, got {t.keep_last}")
+    e.check(t.eval_interval >= 0, "trainer.eval_interval", f"must be >= 0, got {t.eval_interval}")
+    e.check(t.log_interval >= 1, "trainer.log_interval", f"must be >= 1, got {t.log_interval}")
+    ev = cfg.eval
+    e.check(ev.n_samples >= 1, "eval.n_samples", f"must be >= 1, got {ev.n_samples}")
+    e.check(ev.temperature > 0, "eval.temperature", f"must be > 0, got {ev.temperature}")
+    e.check(0 < ev.top_p <= 1, "eval.top_p", f"must be in (0, 1], got {ev.top_p}")
+    e.check(ev.max_new_tokens >= 1, "eval.max_new_tokens", f"must be >= 1, got {ev.max_new_tokens}")
+    e.check(ev.every is None or ev.every >= 0, "eval.every", f"must be >= 0 or null, got {ev.every}")
+    s = cfg.sft
+    for name in ("epochs", "batch_size", "max_len"):
+        e.check(getattr(s, name) >= 1, f"sft.{name}", f"must be >= 1, got {getattr(s, name)}")
+    e.check(s.lr > 0, "sft.lr", f"must be > 0, got {s.lr}")
+    e.raise_if_any()
+
+
+def data_parallel_size(cfg: MegaRLConfig, world_size: int) -> int:
+    """DP = world / (TP * PP * CP), as megatron-core's initialize_model_parallel computes it."""
+    p = cfg.parallel
+    return world_size // (p.tp * p.pp * p.cp)
+
+
+def expected_world_size(cfg: MegaRLConfig) -> int:
+    """GPUs of the job described by parallel.nodes x parallel.gpus_per_node."""
+    return cfg.parallel.nodes * cfg.parallel.gpus_per_node
+
+
+def validate_world(cfg: MegaRLConfig, world_size: int) -> None:
+    """Layout rules that need the world size: model-parallel sizes divide it, every DP rank gets data."""
+    e = _Errors(None)
+    p = cfg.parallel
+    mp = p.tp * p.pp * p.cp
+    e.check(world_size % mp == 0, "parallel", f"tp*pp*cp = {p.tp}*{p.pp}*{p.cp} = {mp} does not divide the world size {world_size}")
+    if p.ep > 1:
+        etp = p.etp or p.tp
+        emp = etp * p.ep * p.pp
+        e.check(world_size % emp == 0, "parallel.ep", f"etp*ep*pp = {etp}*{p.ep}*{p.pp} = {emp} does not divide the world size {world_size}")
+    e.check(world_size % p.rollout_tp == 0, "parallel.rollout_tp", f"{p.rollout_tp} does not divide the world size {world_size}")
+    if world_size % mp == 0:
+        dp = world_size // mp
+        mb = cfg.algorithm.mini_batch_size
+        e.check(mb >= dp, "algorithm.mini_batch_size", f"{mb} samples cannot feed data-parallel size {dp} (world {world_size} / tp*pp*cp {mp})")
+    e.raise_if_any()
+
+
+def _get(hf: Any, *names: str, default: Any = None) -> Any:
+    for name in names:
+        value = hf.get(name) if isinstance(hf, Mapping) else getattr(hf, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+def validate_model(cfg: MegaRLConfig, hf_config: Any) -> None:
+    """Layout rules that need the model: heads / KV heads / FFN divisible by TP, layers by PP(*VPP),
+    experts by EP, heads by the rollout TP. ``hf_config`` is an HF config object or its dict."""
+    e = _Errors(None)
+    p = cfg.parallel
+    heads = _get(hf_config, "num_attention_heads")
+    kv = _get(hf_config, "num_key_value_heads", default=heads)
+    layers = _get(hf_config, "num_hidden_layers")
+    ffn = _get(hf_config, "intermediate_size")
+    experts = _get(hf_config, "num_experts", "num_local_experts", "n_routed_experts")
+    if heads is None or layers is None:
+        raise ConfigError("validate_model: hf config lacks num_attention_heads / num_hidden_layers")
+    e.check(heads % p.tp == 0, "parallel.tp", f"num_attention_heads={heads} is not divisible by tp={p.tp}")
+    e.check(kv % p.tp == 0, "parallel.tp", f"num_key_value_heads={kv} is not divisible by tp={p.tp}")
+    e.check(ffn is None or ffn % p.tp == 0, "parallel.tp", f"intermediate_size={ffn} is not divisible by tp={p.tp}")
+    stages = p.pp * (p.vpp or 1)
+    e.check(layers % stages == 0, "parallel.pp", f"num_hidden_layers={layers} is not divisible by pp*vpp={stages}")
+    e.check(heads % p.rollout_tp == 0, "parallel.rollout_tp", f"num_attention_heads={heads} is not divisible by rollout_tp={p.rollout_tp}")
+    e.check(kv % p.rollout_tp == 0 or p.rollout_tp % kv == 0, "parallel.rollout_tp",
+            f"num_key_value_heads={kv} and rollout_tp={p.rollout_tp}: one must divide the other")
+    if p.ep > 1:
+        e.check(bool(experts), "parallel.ep", f"ep={p.ep} needs an MoE model (no num_experts in the HF config)")
+        e.check(not experts or experts % p.ep == 0, "parallel.ep", f"num_experts={experts} is not divisible by ep={p.ep}")
+    e.raise_if_any()

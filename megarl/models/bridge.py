@@ -1,0 +1,194 @@
+"""HF <-> Megatron weight bridge for the dense families (Qwen2/2.5, Qwen3, Llama).
+
+Each megatron parameter maps to one or more HF tensors with a TP layout:
+
+| layout     | megatron (per TP rank r of tp)                        | HF                          |
+| ---        | ---                                                   | ---                         |
+| replicated | full tensor (norms, value head)                       | same                        |
+| vocab      | rows [r*Vp/tp, (r+1)*Vp/tp) of the padded vocab Vp    | rows [0, V) (padding cut)   |
+| row        | columns [r*n/tp, (r+1)*n/tp)  (linear_proj, fc2)      | full                        |
+| qkv        | query groups [r*G/tp, (r+1)*G/tp), each laid out as   | q_proj, k_proj, v_proj      |
+|            | [q (H/G*d rows), k (d rows), v (d rows)]              |                             |
+| fc1        | [gate rows r*F/tp.., ; up rows r*F/tp..]              | gate_proj, up_proj          |
+
+Norm names of both layer specs are accepted: local (`input_layernorm`, `pre_mlp_layernorm`) and
+TE, which fuses them into `linear_qkv.layer_norm_weight` / `linear_fc1.layer_norm_weight`.
+Layer indices are global: megatron's own `TransformerLayer.layer_number - 1` (PP/VPP offset).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+
+from megarl.models.families import ArchSpec
+
+LAYOUTS = ("replicated", "vocab", "row", "qkv", "fc1")
+
+_LAYER_RULES: dict[str, tuple[tuple[str, ...], str]] = {
+    "input_layernorm.weight": (("input_layernorm.weight",), "replicated"),
+    "self_attention.linear_qkv.layer_norm_weight": (("input_layernorm.weight",), "replicated"),
+    "self_attention.linear_qkv.weight": (
+        ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), "qkv"),
+    "self_attention.linear_qkv.bias": (
+        ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"), "qkv"),
+    "self_attention.q_layernorm.weight": (("self_attn.q_norm.weight",), "replicated"),
+    "self_attention.k_layernorm.weight": (("self_attn.k_norm.weight",), "replicated"),
+    "self_attention.linear_proj.weight": (("self_attn.o_proj.weight",), "row"),
+    "pre_mlp_layernorm.weight": (("post_attention_layernorm.weight",), "replicated"),
+    "mlp.linear_fc1.layer_norm_weight": (("post_attention_layernorm.weight",), "replicated"),
+    "mlp.linear_fc1.weight": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), "fc1"),
+    "mlp.linear_fc2.weight": (("mlp.down_proj.weight",), "row"),
+}
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+VALUE_HEAD_HF_NAME = "score.weight"
+
+
+@dataclass(frozen=True)
+class ParamMap:
+    """Where one megatron parameter lives in HF naming."""
+
+    megatron_name: str
+    hf_names: tuple[str, ...]
+    layout: str
+    export: bool = True  # False: a copy of another exported tensor (tied output layer on last PP stage)
+    optional: bool = False  # may be absent from an HF checkpoint (value head of a fresh critic)
+
+
+def map_param(name: str, model, spec: ArchSpec) -> ParamMap:
+    """The HF mapping of parameter `name` (as in `model.named_parameters()`) of a GPTModel chunk."""
+    if name == "embedding.word_embeddings.weight":
+        return ParamMap(name, ("model.embed_tokens.weight",), "vocab")
+    if name == "decoder.final_layernorm.weight":
+        return ParamMap(name, ("model.norm.weight",), "replicated")
+    if name == "output_layer.weight":
+        if getattr(model, "output_layer", None).__class__.__name__ == "ValueHead":
+            return ParamMap(name, (VALUE_HEAD_HF_NAME,), "replicated", optional=True)
+        if model.share_embeddings_and_output_weights:
+            return ParamMap(name, ("model.embed_tokens.weight",), "vocab", export=False)
+        return ParamMap(name, ("lm_head.weight",), "vocab")
+    m = _LAYER_RE.match(name)
+    if m and m.group(2) in _LAYER_RULES:
+        layer = model.decoder.layers[int(m.group(1))].layer_number - 1
+        suffixes, layout = _LAYER_RULES[m.group(2)]
+        return ParamMap(name, tuple(f"model.layers.{layer}.{s}" for s in suffixes), layout)
+    raise KeyError(f"no HF mapping for megatron parameter {name!r} (model_type={spec.model_type!r})")
+
+
+def param_maps(model, spec: ArchSpec) -> list[tuple[ParamMap, torch.nn.Parameter]]:
+    """(ParamMap, parameter) for every parameter of one unwrapped GPTModel chunk."""
+    return [(map_param(n, model, spec), p) for n, p in model.named_parameters()]
+
+
+def expected_hf_names(spec: ArchSpec, value_head: bool = False) -> set[str]:
+    """Every HF tensor name the whole model (all stages) has."""
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    if value_head:
+        names.add(VALUE_HEAD_HF_NAME)
+    elif not spec.tie_word_embeddings:
+        names.add("lm_head.weight")
+    rules = {"input_layernorm.weight", "self_attention.linear_qkv.weight",
+             "self_attention.linear_proj.weight", "pre_mlp_layernorm.weight",
+             "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"}
+    if spec.add_qkv_bias:
+        rules.add("self_attention.linear_qkv.bias")
+    if spec.qk_layernorm:
+        rules |= {"self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"}
+    for layer in range(spec.num_layers):
+        for rule in rules:
+            names.update(f"model.layers.{layer}.{s}" for s in _LAYER_RULES[rule][0])
+    return names
+
+
+# ---------------------------------------------------------------- TP layouts
+
+
+class SliceReader(Protocol):
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def read(self, name: str, dim: int | None = None, start: int = 0, stop: int = 0) -> torch.Tensor: ...
+
+
+def _even_range(n: int, tp: int, rank: int, what: str) -> tuple[int, int]:
+    if n % tp:
+        raise ValueError(f"{what}: size {n} is not divisible by tensor-parallel size {tp}")
+    per = n // tp
+    return rank * per, (rank + 1) * per
+
+
+def read_shard(pm: ParamMap, reader: SliceReader, spec: ArchSpec, local_shape: tuple[int, ...],
+               tp_rank: int, tp: int) -> torch.Tensor:
+    """This TP rank's shard of `pm`, read from HF tensors (slices only, never the full tensor)."""
+    names, layout = pm.hf_names, pm.layout
+    if layout == "replicated":
+        return reader.read(names[0])
+    if layout == "vocab":
+        per = local_shape[0]
+        start, stop = tp_rank * per, min((tp_rank + 1) * per, spec.vocab_size)
+        rows = reader.read(names[0], 0, start, stop) if stop > start else None
+        out = torch.zeros(local_shape, dtype=rows.dtype if rows is not None else torch.float32)
+        if rows is not None:
+            out[: rows.shape[0]] = rows
+        return out
+    if layout == "row":
+        start, stop = _even_range(reader.shape(names[0])[1], tp, tp_rank, names[0])
+        return reader.read(names[0], 1, start, stop)
+    if layout == "qkv":
+        g0, g1 = _even_range(spec.num_query_groups, tp, tp_rank, f"{names[0]} query groups")
+        d, hpg = spec.head_dim, spec.num_attention_heads // spec.num_query_groups
+        q = reader.read(names[0], 0, g0 * hpg * d, g1 * hpg * d)
+        k = reader.read(names[1], 0, g0 * d, g1 * d)
+        v = reader.read(names[2], 0, g0 * d, g1 * d)
+        rest = q.shape[1:]
+        ng = g1 - g0
+        return torch.cat([q.reshape(ng, hpg * d, *rest), k.reshape(ng, d, *rest),
+                          v.reshape(ng, d, *rest)], dim=1).reshape(-1, *rest)
+    if layout == "fc1":
+        start, stop = _even_range(reader.shape(names[0])[0], tp, tp_rank, names[0])
+        return torch.cat([reader.read(names[0], 0, start, stop), reader.read(names[1], 0, start, stop)])
+    raise ValueError(f"unknown layout {layout!r}")
+
+
+def hf_shapes(pm: ParamMap, local_shape: tuple[int, ...], spec: ArchSpec, tp: int) -> list[tuple[int, ...]]:
+    """Full HF shapes of the tensors `pm` exports, from this rank's local shard shape."""
+    rest = tuple(local_shape[1:])
+    if pm.layout == "replicated":
+        return [tuple(local_shape)]
+    if pm.layout == "vocab":
+        return [(spec.vocab_size, *rest)]
+    if pm.layout == "row":
+        return [(local_shape[0], local_shape[1] * tp)]
+    if pm.layout == "qkv":
+        d = spec.head_dim
+        return [(spec.num_attention_heads * d, *rest), (spec.num_query_groups * d, *rest),
+                (spec.num_query_groups * d, *rest)]
+    if pm.layout == "fc1":
+        return [(local_shape[0] // 2 * tp, *rest)] * 2
+    raise ValueError(f"unknown layout {pm.layout!r}")
+
+
+def merge_shards(pm: ParamMap, shards: list[torch.Tensor], spec: ArchSpec) -> list[torch.Tensor]:
+    """Full HF tensors (in `pm.hf_names` order) from the TP shards of all ranks, in rank order."""
+    if pm.layout == "replicated":
+        return [shards[0]]
+    if pm.layout == "vocab":
+        return [torch.cat(shards)[: spec.vocab_size]]
+    if pm.layout == "row":
+        return [torch.cat(shards, dim=1)]
+    if pm.layout == "qkv":
+        full = torch.cat(shards)
+        rest = full.shape[1:]
+        d, hpg = spec.head_dim, spec.num_attention_heads // spec.num_query_groups
+        grouped = full.reshape(spec.num_query_groups, (hpg + 2) * d, *rest)
+        q, k, v = grouped.split([hpg * d, d, d], dim=1)
+        return [t.reshape(-1, *rest) for t in (q, k, v)]
+    if pm.layout == "fc1":
+        halves = [s.chunk(2) for s in shards]
+        return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+    raise ValueError(f"unknown layout {pm.layout!r}")
+
+
+Reader = Callable[[str], torch.Tensor]

@@ -1,0 +1,192 @@
+"""HF config -> megatron-core TransformerConfig + layer spec + GPTModel chunk(s).
+
+TP/PP sizes and pre/post-process flags come from `megatron.core.parallel_state`, so call
+`megarl.parallel.distributed.init_distributed` first. Two layer implementations:
+"local" (megatron's own modules; CPU and GPU) and "te" (Transformer Engine; GPU only,
+verified only on GPU).
+
+Vocabulary padding: the embedding and output layer hold `padded_vocab_size(V, tp, d)` rows
+(a multiple of `d * tp`, d=128 like Megatron-LM). The padded rows are zero after an HF import,
+and `mask_padded_vocab=True` (default) sets the padded logit columns to `PADDED_VOCAB_LOGIT`,
+so softmax / cross-entropy / log-probs over the padded vocabulary equal those over the HF
+vocabulary. Exports strip the padding (`megarl.models.bridge`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from megarl.models.families import ArchSpec, arch_spec
+from megarl.models.rope import hf_inv_freq
+
+# exp(-1e4 - max) underflows to exactly 0 in fp32/bf16/fp16 while p*log(p) stays finite (0),
+# unlike -inf, which turns entropy terms into NaN.
+PADDED_VOCAB_LOGIT = -1.0e4
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(dtype: torch.dtype | str | None, default: torch.dtype = torch.float32) -> torch.dtype:
+    if dtype is None:
+        return default
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported (choose from {sorted(_DTYPES)})")
+    return _DTYPES[dtype]
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """Smallest multiple of `divisible_by * tp` that is >= vocab_size."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def te_available() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def transformer_config(spec: ArchSpec, *, dtype: torch.dtype = torch.float32, impl: str = "local",
+                       overrides: dict | None = None):
+    """The megatron TransformerConfig for `spec` at the current parallel_state sizes.
+
+    `overrides` are extra TransformerConfig fields (recompute, sequence_parallel, fp8, ...)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer import TransformerConfig
+
+    on_gpu = torch.cuda.is_available()
+    kwargs: dict[str, Any] = dict(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups,
+        kv_channels=spec.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=spec.add_qkv_bias,
+        qk_layernorm=spec.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=spec.attention_dropout,
+        init_method_std=spec.init_std,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        virtual_pipeline_model_parallel_size=ps.get_virtual_pipeline_model_parallel_world_size(),
+        use_cpu_initialization=not on_gpu,
+        # RL batches vary in length; allgather MoE dispatch rejects variable lengths
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",
+        gradient_accumulation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        bias_activation_fusion=on_gpu and impl == "te",
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+    )
+    kwargs.update(overrides or {})
+    return TransformerConfig(**kwargs)
+
+
+def layer_spec(spec: ArchSpec, impl: str = "local"):
+    """Layer spec: Transformer Engine ("te", fused norms in linear_qkv/linear_fc1) or "local"."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if impl == "te":
+        if not te_available():
+            raise RuntimeError("impl='te' needs Transformer Engine (not importable here); use impl='local'")
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_layernorm)
+    if impl != "local":
+        raise ValueError(f"impl must be 'local' or 'te', got {impl!r}")
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_layernorm)
+
+
+def _mask_padded_vocab_hook(vocab_size: int, padded: int):
+    """Forward hook for the output layer: padded logit columns -> PADDED_VOCAB_LOGIT."""
+
+    def hook(module, args, output):
+        logits, bias = output
+        width = logits.shape[-1]
+        if width == padded:  # gathered (or tp == 1)
+            start = 0
+        else:  # vocab-parallel shard of this TP rank
+            from megatron.core import parallel_state as ps
+
+            start = ps.get_tensor_model_parallel_rank() * width
+        n_real = max(0, min(width, vocab_size - start))
+        if n_real == width:
+            return output
+        col = torch.arange(width, device=logits.device) >= n_real
+        return logits.masked_fill(col, PADDED_VOCAB_LOGIT), bias
+
+    return hook
+
+
+def build_model(hf_config: Any, *, dtype: torch.dtype | str = torch.float32, impl: str = "local",
+                value_head: bool = False, make_vocab_size_divisible_by: int = 128,
+                padded_vocab: int | None = None, mask_padded_vocab: bool = True,
+                config_overrides: dict | None = None, seed: int | None = None) -> list:
+    """Builds this rank's GPTModel chunk(s) (one per virtual pipeline stage) for an HF config.
+
+    value_head=True builds a critic: the output layer is a replicated hidden->1 linear
+    (`megarl.models.value_head.ValueHead`) and the model returns values [b, s, 1].
+    padded_vocab overrides the padded vocabulary size (used to reload checkpoints).
+    Weights are randomly initialised; load them with `megarl.weights.load_hf_weights` or
+    `megarl.weights.load_megatron_checkpoint`.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    spec = arch_spec(hf_config)
+    dtype = parse_dtype(dtype)
+    tp = ps.get_tensor_model_parallel_world_size()
+    vocab = padded_vocab or padded_vocab_size(spec.vocab_size, tp, make_vocab_size_divisible_by)
+    if vocab % tp or vocab < spec.vocab_size:
+        raise ValueError(f"padded vocab size {vocab} must be >= {spec.vocab_size} and divisible by tp={tp}")
+    tied = spec.tie_word_embeddings and not value_head
+    config = transformer_config(spec, dtype=dtype, impl=impl, overrides=config_overrides)
+    lspec = layer_spec(spec, impl)
+    inv_freq = hf_inv_freq(hf_config, spec.head_dim)
+    vp_size = ps.get_virtual_pipeline_model_parallel_world_size()
+    chunks = []
+    for vp_stage in range(vp_size or 1):
+        vp = vp_stage if vp_size else None
+        kwargs = dict(
+            config=config, transformer_layer_spec=lspec, vocab_size=vocab,
+            max_sequence_length=spec.max_position_embeddings,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+            share_embeddings_and_output_weights=tied, position_embedding_type="rope",
+            rotary_base=spec.rope_theta, vp_stage=vp,
+        )
+        if value_head:
+            from megarl.models.value_head import ValueModel
+
+            model = ValueModel(seed=seed, **kwargs)
+        else:
+            model = GPTModel(**kwargs)
+        model.rotary_pos_emb.inv_freq = inv_freq.clone().to(model.rotary_pos_emb.inv_freq.device)
+        model.hf_vocab_size = spec.vocab_size  # true vocabulary (padding stripped on export)
+        if model.post_process and not value_head and mask_padded_vocab and vocab > spec.vocab_size:
+            model.output_layer.register_forward_hook(_mask_padded_vocab_hook(spec.vocab_size, vocab))
+        if torch.cuda.is_available():
+            model.cuda(torch.cuda.current_device())
+        chunks.append(model)
+    return chunks
+
+
+def unwrap(model):
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while not hasattr(model, "decoder") and hasattr(model, "module"):
+        model = model.module
+    return model

@@ -1,0 +1,139 @@
+"""Model-family registry: HF `config.model_type` -> how to build and map a Megatron GPTModel.
+
+A family turns an HF `PretrainedConfig` into `ArchSpec`, the architecture facts megatron-core
+needs (head layout, biases, q/k norms, RoPE). The dense families (Qwen2/2.5, Qwen3, Llama 3)
+share one layer layout and one weight bridge (`megarl.models.bridge`); they differ only in the
+facts extracted here. New families register with `@register_family("model_type")`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from megarl.models.rope import SUPPORTED_ROPE_TYPES, rope_type_of
+
+
+class UnsupportedModelError(ValueError):
+    """The HF config describes an architecture or option megarl cannot build."""
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """Architecture facts of a dense decoder-only LM, in Megatron terms."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int  # megatron kv_channels; may differ from hidden_size / num_attention_heads
+    vocab_size: int  # true (HF) vocabulary size, before TP padding
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    add_qkv_bias: bool
+    qk_layernorm: bool
+    tie_word_embeddings: bool
+    init_std: float
+    attention_dropout: float
+
+
+_FAMILIES: dict[str, Callable[[Any], ArchSpec]] = {}
+
+
+def register_family(model_type: str):
+    """Registers `fn(hf_config) -> ArchSpec` for HF configs whose `model_type` is `model_type`."""
+
+    def deco(fn: Callable[[Any], ArchSpec]):
+        if model_type in _FAMILIES:
+            raise ValueError(f"model family {model_type!r} is already registered")
+        _FAMILIES[model_type] = fn
+        return fn
+
+    return deco
+
+
+def supported_model_types() -> list[str]:
+    return sorted(_FAMILIES)
+
+
+def arch_spec(hf_config: Any) -> ArchSpec:
+    """The ArchSpec for an HF config; unsupported `model_type` -> UnsupportedModelError."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in _FAMILIES:
+        raise UnsupportedModelError(
+            f"unsupported architecture model_type={model_type!r} "
+            f"(architectures={getattr(hf_config, 'architectures', None)}); "
+            f"supported model_type values: {supported_model_types()}"
+        )
+    return _FAMILIES[model_type](hf_config)
+
+
+def _require(cond: bool, hf_config: Any, what: str) -> None:
+    if not cond:
+        raise UnsupportedModelError(f"model_type={hf_config.model_type!r}: {what} is not supported")
+
+
+def _common(hf_config: Any, *, head_dim: int, add_qkv_bias: bool, qk_layernorm: bool) -> ArchSpec:
+    _require(getattr(hf_config, "hidden_act", "silu") == "silu", hf_config,
+             f"hidden_act={getattr(hf_config, 'hidden_act', None)!r} (only 'silu')")
+    layer_types = getattr(hf_config, "layer_types", None) or []
+    _require(all(t == "full_attention" for t in layer_types), hf_config,
+             "sliding-window attention (layer_types contains 'sliding_attention')")
+    _require(float(getattr(hf_config, "partial_rotary_factor", 1.0) or 1.0) == 1.0, hf_config,
+             "partial_rotary_factor != 1")
+    rope = rope_type_of(hf_config)
+    _require(rope in SUPPORTED_ROPE_TYPES, hf_config,
+             f"rope_scaling type {rope!r} (supported: {sorted(SUPPORTED_ROPE_TYPES)})")
+    heads = hf_config.num_attention_heads
+    groups = getattr(hf_config, "num_key_value_heads", None) or heads
+    _require(heads % groups == 0, hf_config,
+             f"num_attention_heads={heads} not divisible by num_key_value_heads={groups}")
+    return ArchSpec(
+        model_type=hf_config.model_type,
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        head_dim=head_dim,
+        vocab_size=hf_config.vocab_size,
+        max_position_embeddings=hf_config.max_position_embeddings,
+        rms_norm_eps=float(hf_config.rms_norm_eps),
+        rope_theta=float(getattr(hf_config, "rope_theta", 10000.0)),
+        add_qkv_bias=add_qkv_bias,
+        qk_layernorm=qk_layernorm,
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        init_std=float(getattr(hf_config, "initializer_range", 0.02)),
+        attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0) or 0.0),
+    )
+
+
+def _head_dim(hf_config: Any) -> int:
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+@register_family("qwen2")
+def qwen2(hf_config: Any) -> ArchSpec:
+    """Qwen2 / Qwen2.5: biases on q/k/v (not o), GQA, SwiGLU, RMSNorm."""
+    return _common(hf_config, head_dim=hf_config.hidden_size // hf_config.num_attention_heads,
+                   add_qkv_bias=True, qk_layernorm=False)
+
+
+@register_family("qwen3")
+def qwen3(hf_config: Any) -> ArchSpec:
+    """Qwen3 dense: RMSNorm on q and k per head, explicit head_dim, no biases by default."""
+    _require(not getattr(hf_config, "attention_bias", False), hf_config, "attention_bias=True")
+    return _common(hf_config, head_dim=_head_dim(hf_config), add_qkv_bias=False, qk_layernorm=True)
+
+
+@register_family("llama")
+def llama(hf_config: Any) -> ArchSpec:
+    """Llama 2/3/3.x: no biases, GQA, optional llama3 RoPE scaling, tied or untied embeddings."""
+    # HF's attention_bias also puts a bias on o_proj, which megatron cannot express without
+    # biases on every linear layer; mlp_bias likewise.
+    _require(not getattr(hf_config, "attention_bias", False), hf_config, "attention_bias=True")
+    _require(not getattr(hf_config, "mlp_bias", False), hf_config, "mlp_bias=True")
+    return _common(hf_config, head_dim=_head_dim(hf_config), add_qkv_bias=False, qk_layernorm=False)

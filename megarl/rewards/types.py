@@ -1,0 +1,39 @@
+"""Reward inputs, outputs and the errors reward functions raise."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class RewardInput:
+    """One sample to score.
+
+    `reference` is the gold answer (math), the reference / anchor response (GenRM), or None.
+    `extra` carries source-specific data, e.g. `extra["tests"]` for code.
+    """
+
+    data_source: str
+    prompt: str
+    response: str
+    reference: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RewardOutput:
+    """`score` is the scalar reward; `acc` is correctness for dynamic sampling (DAPO filters
+    on it, ALGORITHMS.md §2), None where the reward has no notion of correctness."""
+
+    score: float
+    acc: bool | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class RewardError(Exception):
+    """A reward could not be computed (bad data, judge produced no verdict, ...)."""
+
+
+class RewardTimeout(RewardError):
+    """A reward check ran past its hard time limit."""

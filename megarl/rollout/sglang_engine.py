@@ -1,0 +1,241 @@
+"""Colocated SGLang rollout engine (production path). Verified only on GPU clusters.
+
+Layout: one SGLang engine per rollout TP group. The ranks whose GPUs the engine uses form a gloo
+`group` (group rank i sits on the GPU of SGLang TP rank i, i.e. on `base_gpu_id + i`); group
+rank 0 owns the `sglang.Engine` (its TokenizerManager runs in that process, the schedulers in
+SGLang's own subprocesses). All methods are collective over `group`.
+
+- generate / continue_samples: the owner sends the requests (its own arguments are used), every
+  rank of the group gets the same samples back.
+- update_weights(stream): each rank flattens its bucket on its own GPU (`FlattenedTensorBucket`),
+  serializes it to CUDA-IPC handles (`MultiprocessingSerializer`, after
+  `monkey_patch_torch_reductions()` so handles carry the GPU UUID), the payloads are gathered to
+  the owner over gloo, and the owner calls
+  `update_weights_from_tensor(payloads, load_format="flattened_bucket", flush_cache=<last bucket>)`,
+  inside `begin_weight_update()` / `end_weight_update()` on SGLang >= 0.5.21. The last two
+  buckets' tensors are kept alive because SGLang replies before a device sync.
+- release_memory / resume_memory: `release_memory_occupation()` / `resume_memory_occupation()`
+  (needs `enable_memory_saver=True`, which this class sets). After a resume the weights are
+  garbage unless `enable_weights_cpu_backup=True`: stream weights before the next generate.
+
+Semantics match the builtin engine (finish reasons, T-PPO window, FIRE as two generate calls,
+`text` decoded from the response ids with skip_special_tokens=True). Differences: stop strings are
+matched by SGLang on each call's own output text; `seed` is passed as SGLang's `sampling_seed`.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megarl.rollout.checkpoint import has_tokenizer, read_config
+from megarl.rollout.sampling import segment_budget
+from megarl.rollout.sglang_utils import (
+    GenerateCall, broadcast_from_owner, gather_to_owner, needs_weight_update_session, rebucket,
+    run_segment, with_last_flag)
+from megarl.rollout.types import Sample, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def _import_sglang():
+    try:
+        import sglang
+    except ImportError as err:
+        raise ImportError("rollout.engine=sglang needs the `sglang` package (pip install "
+                          "'megarl[gpu]', sglang==0.5.23, on a CUDA machine)") from err
+    return sglang
+
+
+class SGLangEngine:
+    """RolloutEngine backed by `sglang.Engine`; see the module docstring."""
+
+    def __init__(self, model_path: str | Path, *, group: dist.ProcessGroup | None = None,
+                 tp_size: int | None = None, dtype: str = "bfloat16",
+                 mem_fraction_static: float | None = None, base_gpu_id: int | None = None,
+                 random_seed: int | None = None, load_format: str = "auto",
+                 enable_weights_cpu_backup: bool = False, bucket_bytes: int = 512 << 20,
+                 **server_kwargs: Any):
+        self.model_path = str(model_path)
+        self.group = group
+        group_size = dist.get_world_size(group) if group is not None else 1
+        self.tp_size = tp_size or group_size
+        if self.tp_size != group_size:
+            raise ValueError(f"SGLangEngine: tp_size={self.tp_size} but the weight group has "
+                             f"{group_size} ranks; colocation needs one rank per engine GPU")
+        self.is_owner = group is None or dist.get_rank(group) == 0
+        self.bucket_bytes = bucket_bytes
+        self.cpu_backup = enable_weights_cpu_backup
+        config = read_config(self.model_path)
+        self.max_context = int(server_kwargs.get("context_length")
+                               or config.get("max_position_embeddings") or 0) or None
+        self.vocab_size = int(config["vocab_size"])
+        self.weights_valid = load_format != "dummy"
+        self.tokenizer = None
+        self._engine = None
+        sglang = _import_sglang()
+        self.sglang_version = sglang.__version__
+        if self.is_owner:
+            if base_gpu_id is None:
+                base_gpu_id = torch.cuda.current_device()
+            self._engine = sglang.Engine(
+                model_path=self.model_path, tp_size=self.tp_size, dtype=dtype,
+                mem_fraction_static=mem_fraction_static, base_gpu_id=base_gpu_id,
+                random_seed=random_seed, load_format=load_format, enable_memory_saver=True,
+                enable_weights_cpu_backup=enable_weights_cpu_backup, **server_kwargs)
+            if has_tokenizer(self.model_path):
+                from transformers import AutoTokenizer
+                self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self._barrier()
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Sample]:
+        samples = None
+        if self.is_owner:
+            self._check(sampling)
+            prompts = [self._check_ids(p, f"prompt {i}") for i, p in enumerate(prompts)]
+            rows = [(i, p) for i, p in enumerate(prompts) for _ in range(sampling.n)]
+            budgets = [segment_budget(len(p), 0, sampling, self._context()) for _, p in rows]
+            for i, p in enumerate(prompts):
+                if len(p) >= self._context():
+                    raise ValueError(f"prompt {i} has {len(p)} tokens; the engine context is "
+                                     f"{self._context()} tokens")
+            segments = self._segments([p for _, p in rows], budgets, sampling, fire=True)
+            samples = [Sample(prompt_ids=list(p), response_ids=ids, logprobs=lps,
+                              finish_reason=reason, text=self._decode(ids), index=i)
+                       for (i, p), (ids, lps, reason) in zip(rows, segments)]
+        return broadcast_from_owner(samples, self.group)
+
+    def continue_samples(self, samples: Sequence[Sample], sampling: SamplingParams) -> list[Sample]:
+        out = None
+        if self.is_owner:
+            self._check(sampling)
+            if sampling.n != 1:
+                raise ValueError(f"continue_samples: SamplingParams.n must be 1 (got {sampling.n})")
+            contexts, budgets, todo = [], [], []
+            for k, s in enumerate(samples):
+                if s.finish_reason != "truncated":
+                    raise ValueError(f"continue_samples: sample {k} has finish_reason "
+                                     f"{s.finish_reason!r}; only 'truncated' samples continue")
+                context = (self._check_ids(s.prompt_ids, f"sample {k} prompt_ids")
+                           + self._check_ids(s.response_ids, f"sample {k} response_ids", True))
+                budget = segment_budget(len(context), len(s.response_ids), sampling, self._context())
+                if budget[0] > 0:
+                    contexts.append(context)
+                    budgets.append(budget)
+                    todo.append(k)
+            segments = dict(zip(todo, self._segments(contexts, budgets, sampling, fire=False)))
+            out = []
+            for k, s in enumerate(samples):
+                ids, lps, reason = segments.get(k, ([], [], "length"))
+                response = list(s.response_ids) + ids
+                out.append(Sample(prompt_ids=list(s.prompt_ids), response_ids=response,
+                                  logprobs=list(s.logprobs) + lps, finish_reason=reason,
+                                  text=self._decode(response), index=s.index, meta=dict(s.meta)))
+        return broadcast_from_owner(out, self.group)
+
+    def _segments(self, contexts, budgets, sampling, fire):
+        if not contexts:
+            return []
+        return run_segment(self._call, contexts, [b for b, _ in budgets],
+                           [w for _, w in budgets], sampling, fire)
+
+    def _call(self, call: GenerateCall) -> list[dict]:
+        outputs = self._engine.generate(input_ids=call.input_ids,
+                                        sampling_params=call.sampling_params, return_logprob=True)
+        return outputs if isinstance(outputs, list) else [outputs]
+
+    def _check(self, sampling: SamplingParams) -> None:
+        sampling.validate()
+        if not self.weights_valid:
+            raise RuntimeError("SGLang weights are not valid (load_format='dummy' or memory was "
+                               "resumed without a CPU backup); call update_weights() first")
+
+    def _check_ids(self, ids: Sequence[int], what: str, allow_empty: bool = False) -> list[int]:
+        ids = [int(t) for t in ids]
+        if not ids and not allow_empty:
+            raise ValueError(f"{what} is empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{what}: token {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        return ids
+
+    def _context(self) -> int:
+        if self.max_context is None:
+            self.max_context = int(self._engine.tokenizer_manager.context_len)
+        return self.max_context
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
+
+    # ------------------------------------------------------------------ weights and memory
+
+    def update_weights(self, stream: Iterable[list[tuple[str, torch.Tensor]]]) -> None:
+        """Collective over `group`: every rank passes its own stream (same names and buckets)."""
+        from sglang.srt.utils import MultiprocessingSerializer
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+        monkey_patch_torch_reductions()
+        session = self.is_owner and needs_weight_update_session(self.sglang_version)
+        if session:
+            self._ok(self._engine.begin_weight_update(selector="all"), "begin_weight_update")
+        device = torch.device("cuda", torch.cuda.current_device())
+        keep_alive: collections.deque = collections.deque(maxlen=2)
+        for bucket, is_last in with_last_flag(rebucket(stream, self.bucket_bytes)):
+            named = [(name, t.to(device, non_blocking=True).contiguous()) for name, t in bucket]
+            flat = FlattenedTensorBucket(named_tensors=named)
+            keep_alive.append((named, flat))
+            payload = MultiprocessingSerializer.serialize(
+                {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()},
+                output_str=True)
+            torch.cuda.current_stream().synchronize()  # the receiver reads after this returns
+            payloads = gather_to_owner(payload, self.group)
+            if self.is_owner:
+                self._ok(self._engine.update_weights_from_tensor(
+                    named_tensors=payloads, load_format="flattened_bucket", flush_cache=is_last),
+                    "update_weights_from_tensor")
+        if session:
+            self._ok(self._engine.end_weight_update(), "end_weight_update")
+        torch.cuda.synchronize()
+        self._barrier()
+        keep_alive.clear()
+        self.weights_valid = True
+
+    def release_memory(self) -> None:
+        if self.is_owner:
+            self._engine.release_memory_occupation()
+        self._barrier()
+
+    def resume_memory(self) -> None:
+        if self.is_owner:
+            self._engine.resume_memory_occupation()
+            self.weights_valid = self.cpu_backup
+        self._barrier()
+
+    def shutdown(self) -> None:
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
+
+    def _barrier(self) -> None:
+        if self.group is not None and dist.get_world_size(self.group) > 1:
+            dist.barrier(group=self.group)
+
+    @staticmethod
+    def _ok(result: Any, what: str) -> None:
+        """SGLang control calls answer (success, message) (or a dict with those keys)."""
+        if isinstance(result, dict):
+            success, message = result.get("success", True), result.get("message", "")
+        elif isinstance(result, (tuple, list)) and result:
+            success, message = result[0], result[1] if len(result) > 1 else ""
+        else:
+            return
+        if not success:
+            raise RuntimeError(f"SGLang {what} failed: {message}")

@@ -1,0 +1,1 @@
+"""Synthetic, verifiable tasks for the quickstart and tests."""

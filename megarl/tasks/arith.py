@@ -1,0 +1,115 @@
+"""Quickstart task: multi-digit addition with a digit-by-digit chain of thought.
+
+Problem text ``"347+85"``; prompt (template ``arith``) ``"Q: 347+85=?\\n"``; reference response::
+
+    7+5+0=12
+    4+8+1=13
+    3+0+1=4
+    Answer: 432
+
+One line per column from the right: ``<digit of a>+<digit of b>+<carry in>=<column sum>``, where
+a missing digit is written 0 and the carry into the next column is the tens digit of the column
+sum. The last line is DAPO-style ``Answer: <n>`` so the math verifier scores it. Every column
+line has the same shape, so a tiny model learns the procedure quickly; copying the answer digits
+back in reverse order (plus the final carry) is the only long-range step.
+
+Operand sampling: the digit count is uniform in 1..digits, then the value is uniform among
+numbers with that many digits (0..9 for one digit).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+
+from megarl.data.templates import apply_template
+
+DATA_SOURCE = "arith"
+ANSWER_RE = re.compile(r"^Answer: (-?\d+)$")
+
+
+def sample_operand(rng: random.Random, digits: int) -> int:
+    n = rng.randint(1, digits)
+    return rng.randint(0, 9) if n == 1 else rng.randint(10 ** (n - 1), 10**n - 1)
+
+
+def problem_text(a: int, b: int) -> str:
+    return f"{a}+{b}"
+
+
+def cot_response(a: int, b: int) -> str:
+    """The reference chain of thought for a + b (non-negative ints), ending in ``Answer: <a+b>``."""
+    if a < 0 or b < 0:
+        raise ValueError(f"arith: operands must be non-negative, got {a}, {b}")
+    da, db = str(a)[::-1], str(b)[::-1]
+    lines, carry = [], 0
+    for i in range(max(len(da), len(db))):
+        x = int(da[i]) if i < len(da) else 0
+        y = int(db[i]) if i < len(db) else 0
+        s = x + y + carry
+        lines.append(f"{x}+{y}+{carry}={s}")
+        carry = s // 10
+    lines.append(f"Answer: {a + b}")
+    return "\n".join(lines)
+
+
+def make_problem(rng: random.Random, digits: int) -> tuple[str, str, str]:
+    """(prompt, answer, cot_response) of one random problem; prompt is the rendered template."""
+    a, b = sample_operand(rng, digits), sample_operand(rng, digits)
+    return apply_template("arith", problem_text(a, b)), str(a + b), cot_response(a, b)
+
+
+def extract_answer(response: str) -> str | None:
+    """The integer on the last non-empty line if it reads ``Answer: <n>``, else None."""
+    lines = [ln for ln in response.strip().split("\n") if ln.strip()]
+    if not lines:
+        return None
+    m = ANSWER_RE.match(lines[-1].strip())
+    return m.group(1) if m else None
+
+
+def _unique_pairs(rng: random.Random, digits: int, n: int, taken: set[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    tries = 0
+    while len(out) < n:
+        tries += 1
+        if tries > 50 * (n + 100):
+            raise ValueError(f"arith: cannot draw {n} distinct new problems with digits={digits} "
+                             f"({len(taken)} already used); lower the counts or raise digits")
+        pair = (sample_operand(rng, digits), sample_operand(rng, digits))
+        if pair not in taken:
+            taken.add(pair)
+            out.append(pair)
+    return out
+
+
+def write_task_files(out_dir: str | Path, n_sft: int, n_train: int, n_eval: int, seed: int,
+                     digits: int = 3) -> dict[str, Path]:
+    """Write ``sft.jsonl``, ``train.jsonl`` and ``eval.jsonl`` with pairwise-disjoint problems.
+
+    sft rows: ``id, prompt (rendered), response (CoT, no EOS), problem, answer``.
+    train / eval rows: ``id, problem, answer, data_source="arith"`` (render with template arith).
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    taken: set[tuple[int, int]] = set()
+    splits = {"eval": _unique_pairs(rng, digits, n_eval, taken),
+              "train": _unique_pairs(rng, digits, n_train, taken),
+              "sft": _unique_pairs(rng, digits, n_sft, taken)}
+    paths = {}
+    for split, pairs in splits.items():
+        path = out / f"{split}.jsonl"
+        with path.open("w", encoding="utf-8") as f:
+            for i, (a, b) in enumerate(pairs):
+                problem = problem_text(a, b)
+                row = {"id": f"arith-{split}-{i}", "problem": problem, "answer": str(a + b)}
+                if split == "sft":
+                    row |= {"prompt": apply_template("arith", problem), "response": cot_response(a, b)}
+                else:
+                    row["data_source"] = DATA_SOURCE
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        paths[split] = path
+    return paths

@@ -1,0 +1,160 @@
+"""Rollout phase of a step: generate, score, shape, filter (DAPO dynamic sampling), gather.
+
+Every rank holds a rollout engine replica (colocated SPMD). Prompts are split across all ranks,
+each rank generates and scores its share, and the trajectories are all-gathered so every rank
+sees the same batch in the same order.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from megarl.algorithms import overlong_penalty
+from megarl.rollout import SamplingParams
+from megarl.trainer.batch import Trajectory
+
+log = logging.getLogger(__name__)
+
+
+def sampling_from_config(rollout, *, seed: int) -> SamplingParams:
+    return SamplingParams(
+        n=rollout.n_samples_per_prompt, temperature=rollout.temperature, top_p=rollout.top_p,
+        top_k=rollout.top_k, max_new_tokens=rollout.max_new_tokens, seed=seed, fire=rollout.fire,
+        fire_temperature=rollout.fire_temperature, fire_top_k=rollout.fire_top_k,
+    )
+
+
+def all_gather_list(local: list) -> list:
+    """Concatenates every rank's list in rank order (same result on all ranks)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return list(local)
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, local)
+    return [x for p in parts for x in p]
+
+
+class RolloutWorker:
+    """Generates and scores trajectories for prompt items; one per rank."""
+
+    def __init__(self, engine, tokenizer, reward_manager, cfg):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.rewards = reward_manager
+        self.cfg = cfg
+        self.metrics: dict[str, float] = {}
+
+    def generate(self, items, encoded: list[list[int]], sampling: SamplingParams) -> list[Trajectory]:
+        """Generates `sampling.n` responses per item on this rank's share, scores them, gathers."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        per = -(-len(items) // world)
+        local_items = items[rank * per : (rank + 1) * per]
+        local_prompts = encoded[rank * per : (rank + 1) * per]
+        trajs: list[Trajectory] = []
+        reward_metrics: dict[str, float] = {}
+        if local_items:
+            local_sampling = SamplingParams(**{**sampling.__dict__, "seed": (sampling.seed or 0) * 1009 + rank})
+            samples = self.engine.generate(local_prompts, local_sampling)
+            trajs, reward_metrics = self._score(local_items, samples)
+        gathered = all_gather_list(trajs)
+        self.metrics = _mean_over_ranks(reward_metrics)
+        return gathered
+
+    def _score(self, items, samples) -> tuple[list[Trajectory], dict[str, float]]:
+        from megarl.rewards import RewardInput
+
+        inputs = []
+        for s in samples:
+            item = items[s.index]
+            text = s.text or self.tokenizer.decode(s.response_ids, skip_special_tokens=True)
+            inputs.append(RewardInput(data_source=item.data_source, prompt=item.prompt, response=text,
+                                      gold=item.answer, extra=item.extra))
+        outputs, metrics = self.rewards.score(inputs)
+        algo = self.cfg.algorithm
+        lengths = torch.tensor([len(s.response_ids) for s in samples])
+        shaping = (overlong_penalty(lengths, algo.overlong_max_len, algo.overlong_cache_len, algo.overlong_factor)
+                   if algo.overlong_penalty else torch.zeros(len(samples)))
+        trajs = []
+        for s, out, extra in zip(samples, outputs, shaping.tolist()):
+            item = items[s.index]
+            trajs.append(Trajectory(
+                uid=item.uid, prompt_ids=list(s.prompt_ids), response_ids=list(s.response_ids),
+                rollout_logprobs=list(s.logprobs), finish_reason=s.finish_reason,
+                score=float(out.score) + extra, acc=bool(out.acc), data_source=item.data_source,
+            ))
+        return trajs, {k: float(v) for k, v in metrics.items()}
+
+
+def _mean_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
+    parts = all_gather_list([metrics])
+    keys = sorted({k for p in parts for k in p})
+    return {k: sum(p.get(k, 0.0) for p in parts) for k in keys}  # counts: summed over ranks
+
+
+def group_by_uid(trajs: list[Trajectory]) -> list[list[Trajectory]]:
+    groups: dict[str, list[Trajectory]] = {}
+    for t in trajs:
+        groups.setdefault(t.uid, []).append(t)
+    return list(groups.values())
+
+
+def keep_mixed_groups(groups: list[list[Trajectory]]) -> list[list[Trajectory]]:
+    """DAPO dynamic sampling: keep groups with 0 < #correct < G (filter on accuracy, not reward)."""
+    return [g for g in groups if 0 < sum(t.acc for t in g) < len(g)]
+
+
+def collect_step_batch(next_items, encode, worker: RolloutWorker, cfg, step: int,
+                       buffer: list[list[Trajectory]]) -> tuple[list[Trajectory], dict[str, float]]:
+    """Returns the trajectories of one step (prompts_per_step groups) and rollout metrics.
+
+    Without dynamic sampling: one round of prompts_per_step prompts. With it (DAPO Algorithm 1):
+    rounds of gen_batch_prompts prompts; mixed groups go into `buffer` (carried across steps and
+    checkpointed) until it holds prompts_per_step groups; more than max_gen_batches rounds raise.
+    """
+    ro = cfg.rollout
+    stats = {"rollout/rounds": 0.0, "rollout/generated_groups": 0.0}
+    all_generated: list[Trajectory] = []
+    if not cfg.algorithm.dynamic_sampling:
+        items = next_items(ro.prompts_per_step)
+        trajs = worker.generate(items, encode(items), sampling_from_config(ro, seed=_seed(cfg, step, 0)))
+        stats["rollout/rounds"] = 1.0
+        return trajs, {**stats, **_generation_metrics(trajs, trajs), **worker.metrics}
+    rnd = 0
+    while len(buffer) < ro.prompts_per_step:
+        if rnd >= ro.max_gen_batches:
+            raise RuntimeError(
+                f"dynamic sampling: {rnd} generation rounds (rollout.max_gen_batches) gave only "
+                f"{len(buffer)}/{ro.prompts_per_step} groups with mixed outcomes; the prompts are too "
+                "easy or too hard for the policy — raise rollout.max_gen_batches or change the data"
+            )
+        items = next_items(ro.gen_batch_prompts or ro.prompts_per_step)
+        trajs = worker.generate(items, encode(items), sampling_from_config(ro, seed=_seed(cfg, step, rnd)))
+        all_generated.extend(trajs)
+        groups = group_by_uid(trajs)
+        buffer.extend(keep_mixed_groups(groups))
+        stats["rollout/generated_groups"] += len(groups)
+        rnd += 1
+    stats["rollout/rounds"] = float(rnd)
+    taken, buffer[:] = buffer[: ro.prompts_per_step], buffer[ro.prompts_per_step :]
+    batch = [t for g in taken for t in g]
+    stats["rollout/kept_group_frac"] = len(taken) / max(stats["rollout/generated_groups"], 1.0)
+    return batch, {**stats, **_generation_metrics(all_generated or batch, batch), **worker.metrics}
+
+
+def _seed(cfg, step: int, rnd: int) -> int:
+    return cfg.trainer.seed * 1_000_003 + step * 101 + rnd
+
+
+def _generation_metrics(generated: list[Trajectory], batch: list[Trajectory]) -> dict[str, float]:
+    """Reward / accuracy over everything generated this step; lengths over the training batch."""
+    n = max(len(generated), 1)
+    lengths = [len(t.response_ids) for t in batch] or [0]
+    return {
+        "reward/mean": sum(t.score for t in generated) / n,
+        "reward/accuracy": sum(t.acc for t in generated) / n,
+        "response_length/mean": sum(lengths) / len(lengths),
+        "response_length/max": float(max(lengths)),
+        "response_length/clip_ratio": sum(t.finish_reason == "length" for t in batch) / max(len(batch), 1),
+    }

@@ -1,0 +1,113 @@
+"""Supervised fine-tuning on the actor code path (`megarl sft`): token-mean NLL of the response
+tokens over each global batch, through the same packed micro-batches, DDP and optimizer as RL.
+
+Data: JSONL rows with `prompt` and `response` strings (the response gets the tokenizer's EOS).
+Rows that are not valid JSON / UTF-8, lack a field, or exceed sft.max_len tokens are skipped
+and counted with their row numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megarl.parallel.distributed import init_distributed
+from megarl.trainer import build, ppo, vocab_parallel
+from megarl.trainer.batch import MicroBatch, Trajectory
+from megarl.trainer.metrics import MetricsLogger
+from megarl.trainer.progress import Progress
+
+log = logging.getLogger(__name__)
+
+
+def load_sft_rows(path: str, tokenizer, max_len: int) -> tuple[list[Trajectory], list[tuple[int, str]]]:
+    rows, skipped = [], []
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"sft.data_path: {path} does not exist")
+    eos = tokenizer.eos_token_id
+    with p.open("rb") as f:
+        for n, raw in enumerate(f, start=1):
+            try:
+                row = json.loads(raw.decode("utf-8"))
+                prompt, response = row["prompt"], row["response"]
+                if not isinstance(prompt, str) or not isinstance(response, str) or not response:
+                    raise ValueError("prompt/response must be non-empty strings")
+            except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+                skipped.append((n, f"{type(e).__name__}: {e}"))
+                continue
+            p_ids = tokenizer.encode(prompt, add_special_tokens=False)
+            r_ids = tokenizer.encode(response, add_special_tokens=False) + ([eos] if eos is not None else [])
+            if len(p_ids) + len(r_ids) > max_len or not p_ids:
+                skipped.append((n, f"length {len(p_ids) + len(r_ids)} > sft.max_len {max_len} or empty prompt"))
+                continue
+            rows.append(Trajectory(uid=str(n), prompt_ids=p_ids, response_ids=r_ids, rollout_logprobs=[],
+                                   finish_reason="stop"))
+    if skipped:
+        log.warning("%s: skipped %d bad rows, e.g. %s", path, len(skipped), skipped[:3])
+    if not rows:
+        raise ValueError(f"{path}: no usable SFT rows ({len(skipped)} skipped)")
+    return rows, skipped
+
+
+def nll_loss_fn(counts: dict[str, float]):
+    def loss_fn(mb: MicroBatch, logits):
+        logp = mb.gather(vocab_parallel.token_log_probs(logits[0], mb.targets[0]))
+        mask = mb.resp_mask
+        loss = -(logp * mask).sum() / counts["tokens"]
+        return loss, {"sft/nll": loss.detach()}
+
+    return loss_fn
+
+
+def sft(cfg, max_steps: int | None = None, save_to: str | None = None) -> dict:
+    """Runs SFT; saves the actor (model only) as a torch_dist checkpoint at `save_to`
+    (default run_dir/sft_actor). Returns {"steps", "final_nll", "checkpoint"}."""
+    from megatron.core import parallel_state as ps
+
+    init_distributed(cfg.parallel, seed=cfg.trainer.seed)
+    hf_config, tokenizer = build.load_hf_config_and_tokenizer(cfg.model.hf_path)
+    cfg.actor.lr = cfg.sft.lr
+    rows, skipped = load_sft_rows(cfg.sft.data_path, tokenizer, cfg.sft.max_len)
+    steps_per_epoch = max(1, len(rows) // cfg.sft.batch_size)
+    total = steps_per_epoch * cfg.sft.epochs if max_steps is None else max_steps
+    cfg.trainer.total_steps = total
+    actor = build.build_actor(cfg, hf_config)
+    dp_group, dp_rank, dp_size = ps.get_data_parallel_group(), ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    logger = MetricsLogger(Path(cfg.trainer.run_dir) / "sft", cfg.trainer.tensorboard)
+    progress = Progress("SFT", total=total, enabled=dist.get_rank() == 0)
+    rng = random.Random(cfg.trainer.seed)
+    order: list[int] = []
+    nll = float("nan")
+    for step in range(total):
+        if len(order) < cfg.sft.batch_size:
+            fresh = list(range(len(rows)))
+            rng.shuffle(fresh)
+            order += fresh
+        batch = [rows[i] for i in order[: cfg.sft.batch_size]]
+        del order[: cfg.sft.batch_size]
+        for t in batch:
+            t.tensors["loss_mask"] = torch.ones(len(t.response_ids))
+        local = ppo.split_minibatches(batch, len(batch), step, dp_rank, dp_size)[0]
+        counts = ppo.global_counts(local, dp_group)
+        actor.set_lr(step)
+        metrics = actor.train_step(ppo.microbatches(local, cfg.actor.max_tokens_per_microbatch), nll_loss_fn(counts))
+        nll = metrics["sft/nll"]
+        if not torch.isfinite(torch.tensor(nll)):
+            raise FloatingPointError(f"SFT step {step}: NLL is {nll}; stopping without saving")
+        logger.log(step + 1, {**metrics, "sft/skipped_rows": len(skipped)})
+        progress.update(step + 1, nll=nll)
+    progress.close()
+    logger.close()
+    out = save_to or str(Path(cfg.trainer.run_dir) / "sft_actor")
+    if dist.get_rank() == 0:
+        Path(out).mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    actor.optimizer = None  # save the model only: RL starts a fresh optimizer
+    actor.save(out)
+    return {"steps": total, "final_nll": nll, "checkpoint": out}

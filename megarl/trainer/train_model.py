@@ -1,0 +1,241 @@
+"""A megatron-core model being trained (actor, critic) or only run forward (reference).
+
+Wraps model building, megatron DDP + optimizer, the LR schedule, packed micro-batches through
+`forward_backward_func` (1F1B under PP), and torch_dist checkpoints of model + optimizer.
+
+Loss scaling: the loss callbacks return a micro-batch's share of the mini-batch loss, already
+divided by global (all micro-batches, all DP ranks) denominators. The schedule divides every
+micro-batch loss by num_microbatches and DDP averages gradients over DP, so the value handed
+to megatron is multiplied by num_microbatches * dp_size to make the gradient exactly that of
+the global-batch loss.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from megarl.trainer.batch import MicroBatch
+
+LossFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+def lr_at(step: int, optim, total_steps: int) -> float:
+    """Linear warm-up over `lr_warmup_steps` rollout steps, then constant / linear / cosine decay."""
+    if optim.lr_warmup_steps > 0 and step < optim.lr_warmup_steps:
+        return optim.lr * (step + 1) / optim.lr_warmup_steps
+    if optim.lr_decay_style == "constant":
+        return optim.lr
+    decay_steps = max(1, (optim.lr_decay_steps or total_steps) - optim.lr_warmup_steps)
+    frac = min(1.0, max(0.0, (step - optim.lr_warmup_steps) / decay_steps))
+    if optim.lr_decay_style == "linear":
+        coeff = 1.0 - frac
+    else:
+        coeff = 0.5 * (1.0 + math.cos(math.pi * frac))
+    return optim.min_lr + (optim.lr - optim.min_lr) * coeff
+
+
+class TrainModel:
+    def __init__(self, hf_config, optim=None, *, value_head: bool = False, dtype: str = "fp32",
+                 impl: str = "local", total_steps: int = 1):
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import finalize_model_grads
+
+        from megarl.models import build_model
+
+        self.hf_config = hf_config
+        self.optim_cfg = optim
+        self.value_head = value_head
+        self.total_steps = total_steps
+        self.use_te = impl == "transformer_engine"
+        chunks = build_model(hf_config, value_head=value_head, dtype=dtype, impl=impl)
+        self.chunks = chunks if isinstance(chunks, list) else [chunks]
+        self.config = self.chunks[0].config
+        self.optimizer = None
+        if optim is not None:
+            ddp_cfg = DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, use_distributed_optimizer=optim.use_distributed_optimizer
+            )
+            self.chunks = [DistributedDataParallel(self.config, ddp_cfg, c) for c in self.chunks]
+            self.config.finalize_model_grads_func = finalize_model_grads
+            self.optimizer = self._make_optimizer(optim, dtype)
+        self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.dp_group = ps.get_data_parallel_group()
+        self.dp_size = ps.get_data_parallel_world_size()
+        self.is_last_stage = ps.is_pipeline_last_stage()
+
+    def _make_optimizer(self, optim, dtype):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        cfg = OptimizerConfig(
+            optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
+            adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
+            clip_grad=optim.clip_grad, use_distributed_optimizer=optim.use_distributed_optimizer,
+            bf16=dtype == "bf16", fp16=dtype == "fp16", params_dtype=_torch_dtype(dtype),
+        )
+        return get_megatron_optimizer(cfg, self.chunks)
+
+    # ---- modules ---------------------------------------------------------------------------
+    @property
+    def modules(self):
+        """The bare GPTModel chunks (unwrapped from DDP)."""
+        return [getattr(c, "module", c) for c in self.chunks]
+
+    def set_lr(self, step: int) -> float:
+        lr = lr_at(step, self.optim_cfg, self.total_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    # ---- forward / backward ----------------------------------------------------------------
+    def _forward_step(self, loss_fn: LossFn, scale: float):
+        def forward_step(data_iterator, model):
+            mb: MicroBatch = next(data_iterator)
+            kwargs = {}
+            if self.use_te:
+                kwargs["packed_seq_params"] = _thd_params(mb.cu_seqlens)
+            out = model(mb.input_ids, mb.position_ids, None if self.use_te else mb.attention_mask, **kwargs)
+
+            def loss_func(output):
+                loss, logs = loss_fn(mb, output)
+                return loss * scale, logs
+
+            return out, loss_func
+
+        return forward_step
+
+    def run(self, microbatches: list[MicroBatch], loss_fn: LossFn, forward_only: bool) -> list[dict]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        n = len(microbatches)
+        scale = float(n * self.dp_size) if not forward_only else 1.0
+        max_len = max(int(mb.input_ids.shape[1]) for mb in microbatches)
+        return get_forward_backward_func()(
+            forward_step_func=self._forward_step(loss_fn, scale),
+            data_iterator=iter(microbatches),
+            model=self.chunks,
+            num_microbatches=n,
+            seq_length=max_len,
+            micro_batch_size=1,
+            forward_only=forward_only,
+        )
+
+    @torch.no_grad()
+    def forward_only(self, microbatches: list[MicroBatch], per_token_fn, keys: list[str]) -> None:
+        """Runs `per_token_fn(mb, output) -> dict[key, [n, T] tensor]` on every micro-batch and
+        stores the results on the trajectories, on every PP stage (broadcast from the last)."""
+        for c in self.chunks:
+            c.eval()
+
+        def loss_fn(mb, output):
+            for key, vals in per_token_fn(mb, output).items():
+                for i, t in enumerate(mb.trajectories):
+                    t.tensors[key] = vals[i, : len(t.response_ids)].float().clone()
+            return output.new_zeros(()), {}
+
+        if microbatches:
+            self.run(microbatches, loss_fn, forward_only=True)
+        self._broadcast_from_last_stage(microbatches, keys)
+        for c in self.chunks:
+            c.train()
+
+    def _broadcast_from_last_stage(self, microbatches: list[MicroBatch], keys: list[str]) -> None:
+        if dist.get_world_size(self.pp_group) == 1:
+            return
+        trajs = [t for mb in microbatches for t in mb.trajectories]
+        total = sum(len(t.response_ids) for t in trajs)
+        src = dist.get_process_group_ranks(self.pp_group)[-1]
+        for key in keys:
+            if self.is_last_stage:
+                flat = torch.cat([t.tensors[key] for t in trajs]) if trajs else torch.zeros(0)
+            else:
+                flat = torch.empty(total)
+            dist.broadcast(flat, src=src, group=self.pp_group)
+            if not self.is_last_stage:
+                for t, v in zip(trajs, flat.split([len(t.response_ids) for t in trajs])):
+                    t.tensors[key] = v.clone()
+
+    def train_step(self, microbatches: list[MicroBatch], loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step over the mini-batch's local micro-batches. Returns summed metrics
+        (already normalised by global denominators in loss_fn) plus grad_norm."""
+        for c in self.chunks:
+            c.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        logs = self.run(microbatches, loss_fn, forward_only=False) if microbatches else []
+        ok, grad_norm, _ = self.optimizer.step()
+        if grad_norm is not None and not math.isfinite(float(grad_norm)):
+            raise FloatingPointError(f"non-finite gradient norm {grad_norm}: step aborted")
+        metrics = _sum_logs(logs)
+        metrics = _reduce_metrics(metrics, self.pp_group, self.dp_group, self.is_last_stage)
+        metrics["grad_norm"] = float(grad_norm or 0.0)
+        return metrics
+
+    # ---- checkpoints -----------------------------------------------------------------------
+    def sharded_state_dict(self):
+        sd = {}
+        for i, m in enumerate(self.modules):
+            sd[f"model{i}"] = m.sharded_state_dict()
+        if self.optimizer is not None:
+            sd["optimizer"] = self.optimizer.sharded_state_dict(sd)
+        return sd
+
+    def save(self, path: str) -> None:
+        from megatron.core import dist_checkpointing
+
+        dist_checkpointing.save(self.sharded_state_dict(), path)
+
+    def load(self, path: str, load_optimizer: bool = True) -> None:
+        from megatron.core import dist_checkpointing
+
+        sd = {f"model{i}": m.sharded_state_dict() for i, m in enumerate(self.modules)}
+        if self.optimizer is not None and load_optimizer:
+            sd["optimizer"] = self.optimizer.sharded_state_dict(sd, is_loading=True)
+        state = dist_checkpointing.load(sd, path)
+        for i, m in enumerate(self.modules):
+            m.load_state_dict(state[f"model{i}"])
+        if "optimizer" in sd:
+            self.optimizer.load_state_dict(state["optimizer"])
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+def _thd_params(cu_seqlens: torch.Tensor):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = cu_seqlens.to(device=torch.cuda.current_device(), dtype=torch.int32)
+    max_len = int((cu[1:] - cu[:-1]).max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           max_seqlen_q=max_len, max_seqlen_kv=max_len)
+
+
+def _sum_logs(logs: list[dict]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for d in logs:
+        for k, v in d.items():
+            out[k] = out.get(k, 0.0) + float(v)
+    return out
+
+
+def _reduce_metrics(metrics: dict[str, float], pp_group, dp_group, is_last: bool) -> dict[str, float]:
+    """Sums metrics over DP (each is already a share of a global mean) and shares them with all
+    PP stages (only the last stage computes losses)."""
+    keys = sorted(metrics) if is_last else None
+    holder = [keys]
+    if dist.get_world_size(pp_group) > 1:
+        src = dist.get_process_group_ranks(pp_group)[-1]
+        dist.broadcast_object_list(holder, src=src, group=pp_group)
+    keys = holder[0] or []
+    vals = torch.tensor([metrics.get(k, 0.0) for k in keys], dtype=torch.float64)
+    if keys:
+        if is_last:
+            dist.all_reduce(vals, group=dp_group)
+        if dist.get_world_size(pp_group) > 1:
+            src = dist.get_process_group_ranks(pp_group)[-1]
+            dist.broadcast(vals, src=src, group=pp_group)
+    return dict(zip(keys, vals.tolist()))

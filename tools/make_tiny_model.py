@@ -1,0 +1,55 @@
+"""Make the quickstart's tiny Qwen2 model (random init) and, optionally, its arithmetic task data.
+
+    .venv/bin/python tools/make_tiny_model.py --out runs/tiny-qwen2 \
+        [--layers 3 --hidden 128 --heads 4 --kv-heads 2 --intermediate 384 --seed 0] \
+        [--task-dir runs/arith --digits 3 --n-sft 20000 --n-train 5000 --n-eval 500]
+
+Writes config.json, model.safetensors, generation_config.json and the byte-level tokenizer
+(`megarl.tasks.tiny_model`); `AutoTokenizer/AutoModelForCausalLM.from_pretrained(out)` load it
+offline. With --task-dir also writes sft.jsonl / train.jsonl / eval.jsonl (`megarl.tasks.arith`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megarl.tasks.arith import write_task_files  # noqa: E402
+from megarl.tasks.tiny_model import TinyModelSpec, save_tiny_model  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="model output directory")
+    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--intermediate", type=int, default=384)
+    p.add_argument("--max-position-embeddings", type=int, default=256)
+    p.add_argument("--tie-word-embeddings", action="store_true")
+    p.add_argument("--rope-theta", type=float, default=10000.0)
+    p.add_argument("--vocab-multiple", type=int, default=64, help="round vocab_size up to a multiple of this")
+    p.add_argument("--seed", type=int, default=0, help="model init seed and task data seed")
+    p.add_argument("--task-dir", default=None, help="also write the arithmetic task files here")
+    p.add_argument("--digits", type=int, default=3)
+    p.add_argument("--n-sft", type=int, default=20000)
+    p.add_argument("--n-train", type=int, default=5000)
+    p.add_argument("--n-eval", type=int, default=500)
+    a = p.parse_args(argv)
+    spec = TinyModelSpec(layers=a.layers, hidden=a.hidden, heads=a.heads, kv_heads=a.kv_heads,
+                         intermediate=a.intermediate, max_position_embeddings=a.max_position_embeddings,
+                         tie_word_embeddings=a.tie_word_embeddings, rope_theta=a.rope_theta,
+                         vocab_multiple=a.vocab_multiple, seed=a.seed)
+    out = save_tiny_model(a.out, spec)
+    print(f"model + tokenizer -> {out}")
+    if a.task_dir:
+        paths = write_task_files(a.task_dir, a.n_sft, a.n_train, a.n_eval, a.seed, digits=a.digits)
+        print("task files -> " + ", ".join(str(v) for v in paths.values()))
+
+
+if __name__ == "__main__":
+    main()

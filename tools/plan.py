@@ -1,0 +1,434 @@
+#!/usr/bin/env python
+"""Plan a megarl run: per-GPU memory in the rollout and train phases, and a step-time estimate.
+
+    python tools/plan.py --recipe configs/recipes/qwen2.5-32b/dapo.yaml \
+        --layout configs/layouts/qwen2.5-32b/16node.yaml --nodes 16 --gpu h100
+
+Memory model (bytes per GPU; P_gpu = parameters held by the GPU's TP x PP shard, from the HF
+config: embedding and output layer counted on the first / last pipeline stage, vocab-parallel
+over TP; norms replicated; the largest stage is reported):
+  weights    2 * P_gpu (bf16; 4 for fp32)                    actor, critic, reference (kl_coef > 0)
+  grads      2 * P_gpu (megatron DDP grad buffer in the param dtype)         actor, critic
+  optimizer  12 * P_gpu / (DP * CP) with the distributed optimizer (fp32 master + Adam m, v),
+             12 * P_gpu without it                                           actor, critic
+  activations, per micro-batch of s = max_tokens_per_microbatch / CP tokens per GPU, following
+  the accounting of Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+  Transformer Models" (Eq. 1-4: 34*s*h + 5*a*s^2 bytes per layer for GPT, i.e. 10*s*h replicated
+  + 24*s*h TP-sharded + 5*a*s^2 attention scores; all TP-sharded with sequence parallelism),
+  generalised to GQA and gated MLPs and with dropout masks dropped (Qwen uses dropout 0):
+      per token and layer   R = 8h             (2 norm inputs, QKV input, FC1 input; bf16)
+                            S = 4*a*d + 4*g*d  (Q and attention output; K and V)
+                              + 6*f            (gated FC1 output 2f, FC2 input f; bf16)
+                              + C              (core attention: 5*a*s for unfused attention as in
+                                                Korthikanti, 4*a (fp32 log-sum-exp) for flash
+                                                attention, 0 with selective recompute)
+      bytes = s * (R + S/TP) without SP, s * (R + S)/TP with SP.
+      full recompute keeps only each chunk's input (2h per token, /TP with SP) plus one chunk
+      being recomputed; 1F1B keeps PP micro-batches in flight on the first stage
+      (PP * (1 + (PP-1)/(PP*VPP)) with interleaving); the last stage adds the logits:
+      s * V/TP * 10 bytes (bf16 logits + fp32 copy in the cross entropy + fp32 gradient).
+  rollout    the engine reserves rollout.mem_fraction of the GPU for its weights
+             (2 * P_total / rollout_tp) and KV cache (2 * layers * kv_heads * head_dim * 2 bytes
+             per token, / rollout_tp); colocated, the training state is offloaded during rollout
+             when rollout.offload_train_state is true.
+  reserve    --reserve-gib (CUDA contexts of trainer and engine, NCCL buffers, fragmentation).
+Phases: rollout = resident training state + engine share + reserve;
+        train   = all resident model states + the larger of actor / critic activations + reserve
+        (with offload_optimizer a model's optimizer state comes back only for its own step, when no
+        activations are held).
+
+Time model (stated assumptions: --avg-prompt-len, --avg-response-len, --mfu, --decode-eff):
+  training FLOPs = 6*N*T per epoch for actor and critic, 2*N*T per forward-only pass (old
+  log-probs, reference, values), plus causal attention 4*L*a*d*c per token forward (c = mean
+  context), x3 for forward + backward; time = FLOPs / (GPUs * peak * MFU).
+  decode: per engine step time = max((weight bytes + KV bytes read) / (HBM bw * eff),
+  2*N*batch / (rollout_tp * peak * eff)); steps = max(longest response, tokens per engine /
+  concurrent sequences the KV cache holds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from megarl.config import ConfigError, MegaRLConfig, load_config, validate_model, validate_world  # noqa: E402
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    mem_bytes: int  # as nvidia-smi reports the total
+    bf16_flops: float  # dense peak
+    hbm_bytes_per_s: float
+
+
+GPUS = {
+    "h100": GPU("H100 SXM 80GB", 81559 * 1024**2, 989e12, 3.35e12),
+    "h200": GPU("H200 SXM 141GB", 143771 * 1024**2, 989e12, 4.8e12),
+}
+
+
+@dataclass(frozen=True)
+class Arch:
+    """Dense decoder architecture read from an HF config.json."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    tie_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "Arch":
+        if any(hf.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts")):
+            raise ConfigError("planner: MoE models are not modelled yet (dense decoders only)")
+        heads = hf["num_attention_heads"]
+        model_type = hf.get("model_type", "")
+        return cls(
+            hidden=hf["hidden_size"],
+            layers=hf["num_hidden_layers"],
+            heads=heads,
+            kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            ffn=hf["intermediate_size"],
+            vocab=hf["vocab_size"],
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        )
+
+    def layer_params(self) -> int:
+        """q, k, v, o projections (+ q/k/v bias), gated MLP (gate, up, down), two norms."""
+        h, a, g, d, f = self.hidden, self.heads, self.kv_heads, self.head_dim, self.ffn
+        attn = h * a * d + 2 * h * g * d + a * d * h
+        if self.qkv_bias:
+            attn += a * d + 2 * g * d
+        if self.qk_norm:
+            attn += 2 * d
+        return attn + 3 * h * f + 2 * h
+
+    def total_params(self, value_head: bool = False) -> int:
+        """All parameters; a critic replaces the LM head with a scalar value head (h + 1)."""
+        emb = self.vocab * self.hidden
+        head = (self.hidden + 1) if value_head else (0 if self.tie_embeddings else emb)
+        return emb + self.layers * self.layer_params() + self.hidden + head
+
+    def stage_params(self, tp: int, pp: int, value_head: bool = False) -> int:
+        """Parameters on one GPU of the largest pipeline stage (TP-sharded; norms replicated)."""
+        layers_per_stage = math.ceil(self.layers / pp)
+        sharded_layer = (self.layer_params() - 2 * self.hidden - (2 * self.head_dim if self.qk_norm else 0)) / tp
+        per_layer = sharded_layer + 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
+        emb = self.vocab * self.hidden / tp
+        head = (self.hidden + 1) if value_head else (emb if (not self.tie_embeddings or pp > 1) else 0)
+        first = emb + layers_per_stage * per_layer + (head + self.hidden if pp == 1 else 0)
+        last = layers_per_stage * per_layer + self.hidden + head + (emb if pp == 1 else 0)
+        return int(math.ceil(max(first, last) if pp > 1 else first))
+
+    def kv_bytes_per_token(self, rollout_tp: int) -> float:
+        """KV cache per token on one engine GPU: 2 (K, V) * layers * kv_heads * head_dim * 2 bytes
+        / rollout_tp (KV heads are replicated when rollout_tp > kv_heads)."""
+        heads_per_gpu = self.kv_heads / rollout_tp if self.kv_heads >= rollout_tp else 1
+        return 2 * self.layers * heads_per_gpu * self.head_dim * 2
+
+
+def load_arch(cfg: MegaRLConfig, model_json: str | None = None) -> tuple[Arch, dict, str]:
+    """The HF config: --model-json, else hf_path/config.json, else configs/models/<model.name>.json."""
+    candidates = [model_json] if model_json else []
+    if cfg.model.hf_path:
+        candidates.append(os.path.join(cfg.model.hf_path, "config.json"))
+    if cfg.model.name:
+        candidates.append(os.path.join(REPO, "configs", "models", f"{cfg.model.name}.json"))
+    for path in candidates:
+        if path and os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                hf = json.load(f)
+            return Arch.from_hf(hf), hf, path
+    raise ConfigError(f"planner: no model config found (tried {candidates or 'nothing'}); pass --model-json "
+                      "or set model.name / model.hf_path")
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def activation_bytes_per_token_layer(arch: Arch, cfg: MegaRLConfig, seq_len: int) -> float:
+    """Bytes kept per token per layer for backward (see module doc; Korthikanti et al. 2022)."""
+    m, tp = cfg.model, cfg.parallel.tp
+    h, a, g, d, f = arch.hidden, arch.heads, arch.kv_heads, arch.head_dim, arch.ffn
+    flash = m.transformer_impl != "local" and m.attention_backend not in ("unfused", "local")
+    if m.recompute == "selective":
+        core = 0.0
+    elif flash:
+        core = 4.0 * a
+    else:
+        core = 5.0 * a * seq_len
+    replicated = 8.0 * h
+    sharded = 4.0 * a * d + 4.0 * g * d + 6.0 * f + core
+    if m.sequence_parallel:
+        return (replicated + sharded) / tp
+    return replicated + sharded / tp
+
+
+def activation_bytes(arch: Arch, cfg: MegaRLConfig, role: str) -> dict[str, float]:
+    """Peak activation bytes on one GPU while training ``role`` (actor | critic)."""
+    p, m = cfg.parallel, cfg.model
+    budget = getattr(cfg, role).max_tokens_per_microbatch
+    s = budget / p.cp
+    seq_len = min(budget, cfg.data.max_prompt_len + cfg.rollout.max_new_tokens) / p.cp
+    per_layer = s * activation_bytes_per_token_layer(arch, cfg, seq_len)
+    layers = math.ceil(arch.layers / p.pp)
+    if m.recompute == "full":
+        chunk_input = s * 2.0 * arch.hidden / (p.tp if m.sequence_parallel else 1)
+        k = min(m.recompute_num_layers, layers)
+        if m.recompute_method == "uniform":
+            stored = math.ceil(layers / k) * chunk_input + k * per_layer
+        else:  # block: the first k layers of the stage are recomputed, the rest keep activations
+            stored = k * chunk_input + (layers - k) * per_layer + (per_layer if k else 0)
+    else:
+        stored = layers * per_layer
+    inflight = p.pp * (1 + (p.pp - 1) / (p.pp * p.vpp)) if p.vpp else p.pp
+    logits = 0.0 if role == "critic" else s * arch.vocab / p.tp * 10.0
+    return {"layers": stored * inflight, "logits": logits, "total": stored * inflight + logits}
+
+
+@dataclass
+class ModelState:
+    role: str
+    params_gpu: int
+    weights: float
+    grads: float
+    optimizer: float
+    offload_optimizer: bool
+
+    @property
+    def resident(self) -> float:
+        """Bytes on the GPU during forward / backward."""
+        return self.weights + self.grads + (0.0 if self.offload_optimizer else self.optimizer)
+
+    @property
+    def at_step(self) -> float:
+        return self.weights + self.grads + self.optimizer
+
+
+def model_states(arch: Arch, cfg: MegaRLConfig, world: int) -> list[ModelState]:
+    p = cfg.parallel
+    dp_cp = world // (p.tp * p.pp)  # the distributed optimizer shards over DP x CP
+    wbytes = 4 if cfg.model.dtype == "fp32" else 2
+    out = []
+    roles = [("actor", False)] + ([("critic", True)] if cfg.critic.enable else [])
+    for role, value_head in roles:
+        o = getattr(cfg, role)
+        n = arch.stage_params(p.tp, p.pp, value_head)
+        opt = 12.0 * n / (dp_cp if o.use_distributed_optimizer else 1)
+        out.append(ModelState(role, n, wbytes * n, wbytes * n, opt, o.offload_optimizer))
+    if cfg.algorithm.kl_coef > 0 or cfg.algorithm.kl_in_reward:
+        n = arch.stage_params(p.tp, p.pp)
+        out.append(ModelState("reference", n, wbytes * n, 0.0, 0.0, False))
+    return out
+
+
+@dataclass
+class Plan:
+    gpu: GPU
+    world: int
+    dp: int
+    params_total: int
+    states: list[ModelState]
+    activations: dict[str, dict[str, float]]
+    engine_share: float
+    engine_weights: float
+    kv_pool: float
+    kv_tokens: float
+    rollout_peak: float
+    train_peak: float
+    reserve: float
+    problems: list[str] = field(default_factory=list)
+    time: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+
+def plan(cfg: MegaRLConfig, arch: Arch, hf: dict, gpu: GPU, reserve_gib: float = 6.0,
+         avg_prompt_len: int | None = None, avg_response_len: int | None = None,
+         mfu: float = 0.4, decode_eff: float = 0.6, gen_rounds: int = 1) -> Plan:
+    p, r = cfg.parallel, cfg.rollout
+    world = p.nodes * p.gpus_per_node
+    problems: list[str] = []
+    for check in (lambda: validate_world(cfg, world), lambda: validate_model(cfg, hf)):
+        try:
+            check()
+        except ConfigError as e:
+            problems.extend(e.errors)
+    dp = world // (p.tp * p.pp * p.cp) if world % (p.tp * p.pp * p.cp) == 0 else 0
+    reserve = reserve_gib * GIB
+    cap = gpu.mem_bytes
+    states = model_states(arch, cfg, world)
+    acts = {s.role: activation_bytes(arch, cfg, s.role) for s in states if s.role != "reference"}
+
+    # rollout phase: engine share (static reservation) + whatever training state stays resident
+    engine_share = r.mem_fraction * cap
+    engine_weights = 2.0 * arch.total_params() / p.rollout_tp
+    kv_pool = engine_share - engine_weights
+    kv_tokens = max(kv_pool, 0.0) / arch.kv_bytes_per_token(p.rollout_tp)
+    resident_rollout = 0.0 if r.offload_train_state else sum(s.resident for s in states)
+    rollout_peak = resident_rollout + engine_share + reserve
+    longest = cfg.data.max_prompt_len + r.max_new_tokens
+    if kv_tokens < longest:
+        problems.append(f"rollout: the engine's KV cache holds {kv_tokens:,.0f} tokens per GPU group, less than one "
+                        f"longest sequence ({longest:,}); raise rollout.mem_fraction or parallel.rollout_tp")
+    if rollout_peak > cap:
+        problems.append(f"rollout phase needs {rollout_peak / GIB:.1f} GiB > {cap / GIB:.1f} GiB "
+                        f"(engine {engine_share / GIB:.1f} + resident training state {resident_rollout / GIB:.1f} "
+                        f"+ reserve {reserve / GIB:.1f}); lower rollout.mem_fraction or offload the training state")
+
+    # train phase: all model states resident, activations of the model being trained
+    resident = sum(s.resident for s in states)
+    fwd_bwd = resident + max((a["total"] for a in acts.values()), default=0.0)
+    step = max(resident - s.resident + s.at_step for s in states)  # one model's optimizer step at a time
+    train_peak = max(fwd_bwd, step) + reserve
+    if train_peak > cap:
+        worst = max(acts, key=lambda k: acts[k]["total"])
+        problems.append(f"train phase needs {train_peak / GIB:.1f} GiB > {cap / GIB:.1f} GiB (states "
+                        f"{sum(s.resident for s in states) / GIB:.1f}, {worst} activations {acts[worst]['total'] / GIB:.1f}); "
+                        "use recompute, sequence parallel, more TP/PP/CP, a smaller token budget or more nodes")
+
+    out = Plan(gpu, world, dp, arch.total_params(), states, acts, engine_share, engine_weights, kv_pool,
+               kv_tokens, rollout_peak, train_peak, reserve, problems)
+    out.time = step_time(cfg, arch, gpu, world, kv_tokens, avg_prompt_len, avg_response_len, mfu, decode_eff, gen_rounds)
+    return out
+
+
+# ----------------------------------------------------------------------------- time
+
+
+def step_time(cfg: MegaRLConfig, arch: Arch, gpu: GPU, world: int, kv_tokens: float,
+              avg_prompt_len: int | None, avg_response_len: int | None, mfu: float,
+              decode_eff: float, gen_rounds: int) -> dict[str, float]:
+    r, a, p = cfg.rollout, cfg.algorithm, cfg.parallel
+    prompt = avg_prompt_len if avg_prompt_len is not None else min(256, cfg.data.max_prompt_len)
+    gen_cap = r.window or r.max_new_tokens
+    resp = avg_response_len if avg_response_len is not None else r.max_new_tokens // 2
+    resp = min(resp, gen_cap)
+    seq = prompt + resp
+    n_actor = arch.total_params()
+    n_critic = arch.total_params(value_head=True)
+    samples = r.prompts_per_step * r.n_samples_per_prompt
+    tokens = samples * seq
+    attn_fwd_per_token = 4.0 * arch.layers * arch.heads * arch.head_dim * (seq / 2)
+
+    def fwd(n: float) -> float:
+        return (2.0 * n + attn_fwd_per_token) * tokens
+
+    flops = fwd(n_actor) * (1 + 3 * a.ppo_epochs)  # old log-probs + training
+    if a.kl_coef > 0 or a.kl_in_reward:
+        flops += fwd(n_actor)
+    if cfg.critic.enable:
+        flops += fwd(n_critic) * (1 + 3 * a.ppo_epochs)
+    train_s = flops / (world * gpu.bf16_flops * mfu)
+
+    engines = world // p.rollout_tp
+    gen_prompts = (r.gen_batch_prompts or r.prompts_per_step) * gen_rounds
+    seqs_per_engine = math.ceil(gen_prompts * r.n_samples_per_prompt / max(engines, 1))
+    concurrent = max(1, min(seqs_per_engine, int(kv_tokens // seq)))
+    steps = max(gen_cap, math.ceil(seqs_per_engine * resp / concurrent))
+    weight_bytes = 2.0 * n_actor / p.rollout_tp
+    kv_read = concurrent * (seq / 2) * arch.kv_bytes_per_token(p.rollout_tp)
+    t_mem = (weight_bytes + kv_read) / (gpu.hbm_bytes_per_s * decode_eff)
+    t_flops = 2.0 * n_actor * concurrent / (p.rollout_tp * gpu.bf16_flops * decode_eff)
+    decode_step = max(t_mem, t_flops)
+    prefill_s = 2.0 * n_actor * prompt * gen_prompts * r.n_samples_per_prompt / (world * gpu.bf16_flops * mfu)
+    rollout_s = steps * decode_step + prefill_s
+    return {"avg_prompt_len": prompt, "avg_response_len": resp, "train_tokens": tokens, "train_flops": flops,
+            "train_s": train_s, "concurrent_seqs_per_engine": concurrent, "seqs_per_engine": seqs_per_engine,
+            "decode_steps": steps, "decode_step_s": decode_step, "rollout_s": rollout_s,
+            "step_s": train_s + rollout_s, "mfu": mfu}
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def format_plan(cfg: MegaRLConfig, pl: Plan, arch_src: str) -> str:
+    p = cfg.parallel
+    g = lambda b: f"{b / GIB:7.1f} GiB"  # noqa: E731
+    lines = [
+        f"model {cfg.model.name or cfg.model.hf_path} ({pl.params_total / 1e9:.2f}B params, from {arch_src})",
+        f"layout: {p.nodes} nodes x {p.gpus_per_node} {pl.gpu.name} = {pl.world} GPUs; tp={p.tp} pp={p.pp} cp={p.cp} "
+        f"dp={pl.dp} vpp={p.vpp} sp={cfg.model.sequence_parallel} recompute={cfg.model.recompute} rollout_tp={p.rollout_tp}",
+        "",
+        "per-GPU memory",
+    ]
+    for s in pl.states:
+        lines.append(f"  {s.role:<9} params/GPU {s.params_gpu / 1e9:6.2f}B  weights {g(s.weights)}  grads {g(s.grads)}  "
+                     f"optimizer {g(s.optimizer)}{' (offloaded)' if s.offload_optimizer else ''}")
+    for role, a in pl.activations.items():
+        lines.append(f"  {role:<9} activations {g(a['total'])} (layers {g(a['layers'])}, logits {g(a['logits'])}) "
+                     f"at {getattr(cfg, role).max_tokens_per_microbatch} tokens/micro-batch")
+    lines += [
+        f"  engine    share {g(pl.engine_share)} (weights {g(pl.engine_weights)}, KV pool {g(max(pl.kv_pool, 0))} "
+        f"= {pl.kv_tokens:,.0f} tokens)",
+        f"  reserve   {g(pl.reserve)}",
+        f"  rollout phase peak {g(pl.rollout_peak)}   train phase peak {g(pl.train_peak)}   capacity {g(pl.gpu.mem_bytes)}",
+        "",
+        f"step time (assumed mean prompt {pl.time['avg_prompt_len']} / response {pl.time['avg_response_len']} tokens, "
+        f"MFU {pl.time['mfu']:.2f})",
+        f"  rollout {pl.time['rollout_s'] / 60:6.1f} min  ({pl.time['decode_steps']:,} decode steps x "
+        f"{pl.time['decode_step_s'] * 1e3:.1f} ms, {pl.time['concurrent_seqs_per_engine']} of "
+        f"{pl.time['seqs_per_engine']} sequences concurrent per engine)",
+        f"  train   {pl.time['train_s'] / 60:6.1f} min  ({pl.time['train_flops']:.3g} FLOPs over {pl.time['train_tokens']:,} tokens)",
+        f"  step    {pl.time['step_s'] / 60:6.1f} min",
+        "",
+        "FITS" if pl.fits else "DOES NOT FIT:\n  " + "\n  ".join(pl.problems),
+    ]
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--recipe", required=True, help="recipe YAML")
+    ap.add_argument("--layout", action="append", default=[], help="layout YAML composed after the recipe")
+    ap.add_argument("--nodes", type=int, help="override parallel.nodes")
+    ap.add_argument("--gpu", choices=sorted(GPUS), default="h100")
+    ap.add_argument("--model-json", help="HF config.json of the model (default: hf_path or configs/models/<name>.json)")
+    ap.add_argument("--reserve-gib", type=float, default=6.0, help="per-GPU reserve for contexts, NCCL, fragmentation")
+    ap.add_argument("--mfu", type=float, default=0.4, help="training model-FLOPs utilisation")
+    ap.add_argument("--decode-eff", type=float, default=0.6, help="achieved fraction of HBM bandwidth / peak during decode")
+    ap.add_argument("--avg-prompt-len", type=int, help="mean prompt tokens (default min(256, max_prompt_len))")
+    ap.add_argument("--avg-response-len", type=int, help="mean response tokens (default max_new_tokens / 2)")
+    ap.add_argument("--gen-rounds", type=int, default=1, help="dynamic-sampling generation rounds per step")
+    ap.add_argument("overrides", nargs="*", help="dotted config overrides")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    overrides = list(args.overrides) + ([f"parallel.nodes={args.nodes}"] if args.nodes else [])
+    try:
+        cfg = load_config([args.recipe, *args.layout], overrides)
+        arch, hf, src = load_arch(cfg, args.model_json)
+        pl = plan(cfg, arch, hf, GPUS[args.gpu], args.reserve_gib, args.avg_prompt_len, args.avg_response_len,
+                  args.mfu, args.decode_eff, args.gen_rounds)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    print(format_plan(cfg, pl, os.path.relpath(src, os.getcwd())))
+    return 0 if pl.fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
