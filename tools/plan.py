@@ -40,7 +40,7 @@ Phases: rollout = resident training state + engine share + reserve;
 Time model (stated assumptions: --avg-prompt-len, --avg-response-len, --mfu, --decode-eff):
   training FLOPs = 6*N*T per epoch for actor and critic, 2*N*T per forward-only pass (old
   log-probs, reference, values), plus causal attention 4*L*a*d*c per token forward (c = mean
-  context), x3 for forward + backward; time = FLOPs / (GPUs * peak * MFU).
+  context), x3 for forward + backward (x4 with full recompute); time = FLOPs / (GPUs * peak * MFU).
   decode: per engine step time = max((weight bytes + KV bytes read) / (HBM bw * eff),
   2*N*batch / (rollout_tp * peak * eff)); steps = max(longest response, tokens per engine /
   concurrent sequences the KV cache holds).
@@ -335,11 +335,12 @@ def step_time(cfg: MegaRLConfig, arch: Arch, gpu: GPU, world: int, kv_tokens: fl
     def fwd(n: float) -> float:
         return (2.0 * n + attn_fwd_per_token) * tokens
 
-    flops = fwd(n_actor) * (1 + 3 * a.ppo_epochs)  # old log-probs + training
+    train_passes = 4 if cfg.model.recompute == "full" else 3  # full recompute repeats the forward
+    flops = fwd(n_actor) * (1 + train_passes * a.ppo_epochs)  # old log-probs + training
     if a.kl_coef > 0 or a.kl_in_reward:
         flops += fwd(n_actor)
     if cfg.critic.enable:
-        flops += fwd(n_critic) * (1 + 3 * a.ppo_epochs)
+        flops += fwd(n_critic) * (1 + train_passes * a.ppo_epochs)
     train_s = flops / (world * gpu.bf16_flops * mfu)
 
     engines = world // p.rollout_tp

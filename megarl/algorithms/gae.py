@@ -3,7 +3,8 @@ turn-independent GAE (PAG), plus masked discounted returns (REINFORCE++).
 
 Shapes: B sequences x T response tokens; `mask` [B, T] is 1 on tokens that count (policy
 response tokens). Outputs are float32 (float64 if the inputs are), and 0 at masked positions.
-Advantages are raw: whitening is a separate step (`masked.masked_whiten`).
+Advantages are raw: whitening is a separate step (`masked.masked_whiten`). Everything here runs
+under torch.no_grad(): advantages and returns are constants (targets) for the losses.
 
 Masked positions (verl semantics, ALGORITHMS §1.3): the backward recursion skips them: where
 m_t = 0 the running `nextvalue` and `lastgaelam` pass through unchanged, so neither the value nor
@@ -51,28 +52,30 @@ def _next_values(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """V_next(t): value at the next masked-in position after t within t's turn, else bootstrap/0.
 
-    Also returns `cut` [B, T] (1 where the carry from t+1 into t is reset by a turn boundary) or None.
+    A backward fill done with the same scan: y_t = m_t*V_t + (1-m_t)*(1-cut_t)*y_{t+1}, y_T = bootstrap,
+    V_next(t) = (1-cut_t)*y_{t+1}. cut_t = turn_starts[t+1] (1 where the carry from t+1 into t is
+    reset by a turn boundary), returned too (None without turn_starts).
     """
     B, T = values.shape
-    pos = torch.arange(T, device=values.device).expand(B, T)
-    idx = torch.where(m > 0, pos, torch.full_like(pos, T))
-    nxt_incl = idx.flip(-1).cummin(-1).values.flip(-1)
-    nxt = torch.cat([nxt_incl[:, 1:], torch.full_like(nxt_incl[:, :1], T)], dim=1)  # exclusive, T = none
-    tail = bootstrap if bootstrap is not None else torch.zeros_like(values[:, 0])
-    v_ext = torch.cat([values, tail.to(values.dtype).unsqueeze(1)], dim=1)
-    v_next = v_ext.gather(1, nxt)
-    if turn_starts is None:
-        return v_next, None
-    ts = turn_starts.to(torch.long)
-    seg = ts.cumsum(-1)
-    seg_ext = torch.cat([seg, seg[:, -1:]], dim=1)
-    same_turn = seg_ext.gather(1, nxt) == seg
-    v_next = torch.where(same_turn, v_next, torch.zeros_like(v_next))
-    cut = torch.cat([ts[:, 1:], torch.zeros_like(ts[:, :1])], dim=1).to(values.dtype)
+    tail = torch.zeros_like(values[:, 0]) if bootstrap is None else bootstrap.to(values.dtype)
+    keep = 1.0 - m
+    cut = None
+    if turn_starts is not None:
+        ts = turn_starts.to(values.dtype)
+        cut = torch.cat([ts[:, 1:], torch.zeros_like(ts[:, :1])], dim=1)
+        keep.mul_(1.0 - cut)
+    filled = reverse_linear_scan(m * values, keep, init=tail)
+    v_next = torch.cat([filled[:, 1:], tail.unsqueeze(1)], dim=1)
+    if cut is not None:
+        v_next.mul_(1.0 - cut)
     return v_next, cut
 
 
 def _deltas_and_decay(token_rewards, values, mask, gamma, bootstrap, turn_starts):
+    if token_rewards.dim() != 2:
+        raise ValueError(f"token_rewards: expected [B, T], got shape {tuple(token_rewards.shape)}")
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"gamma must be in [0, 1], got {gamma}")
     B, T = token_rewards.shape
     _check("values", values, (B, T))
     _check("mask", mask, (B, T))
@@ -80,8 +83,9 @@ def _deltas_and_decay(token_rewards, values, mask, gamma, bootstrap, turn_starts
         _check("turn_starts", turn_starts, (B, T))
     dt = _float_dtype(token_rewards, values)
     r, v, m = token_rewards.to(dt), values.to(dt), mask.to(dt)
-    v_next, cut = _next_values(v, m, bootstrap, turn_starts)
-    delta = m * (r + gamma * v_next - v)
+    delta, cut = _next_values(v, m, bootstrap, turn_starts)
+    # delta = m * (r + gamma * V_next - V), in place on the fresh V_next buffer
+    delta.mul_(gamma).add_(r).sub_(v).mul_(m)
     return delta, m, v, cut
 
 
@@ -96,12 +100,16 @@ def _gae_scan(delta: torch.Tensor, m: torch.Tensor, gamma: float, lam: Lam, cut:
         lam_t = lam_t.unsqueeze(1)
     else:
         lam_t = float(lam)
-    a = m * (gamma * lam_t) + (1.0 - m)
+        if not 0.0 <= lam_t <= 1.0:
+            raise ValueError(f"lam must be in [0, 1], got {lam_t}")
+    a = m * (gamma * lam_t - 1.0)  # a = gamma*lam*m + (1 - m) = 1 + m*(gamma*lam - 1)
+    a.add_(1.0)
     if cut is not None:
-        a = a * (1.0 - cut)
-    return reverse_linear_scan(delta, a) * m
+        a.mul_(1.0 - cut)
+    return reverse_linear_scan(delta, a).mul_(m)
 
 
+@torch.no_grad()
 def compute_gae(
     token_rewards: torch.Tensor,
     values: torch.Tensor,
@@ -128,9 +136,10 @@ def compute_gae(
     """
     delta, m, v, cut = _deltas_and_decay(token_rewards, values, mask, gamma, bootstrap_values, turn_starts)
     adv = _gae_scan(delta, m, gamma, lam, cut)
-    return adv, (adv + v) * m
+    return adv, (adv + v).mul_(m)
 
 
+@torch.no_grad()
 def decoupled_gae(
     token_rewards: torch.Tensor,
     values: torch.Tensor,
@@ -151,9 +160,10 @@ def decoupled_gae(
     delta, m, v, cut = _deltas_and_decay(token_rewards, values, mask, gamma, bootstrap_values, turn_starts)
     adv = _gae_scan(delta, m, gamma, lam_actor, cut)
     critic_adv = _gae_scan(delta, m, gamma, lam_critic, cut)
-    return adv, (critic_adv + v) * m
+    return adv, critic_adv.add_(v).mul_(m)
 
 
+@torch.no_grad()
 def egae_bootstrap(values: torch.Tensor, mask: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
     """[B] bootstrap value for EGAE: V(s_l) ~ V(s_{l-1}) (value at the last masked-in token) for
     truncated rows, 0 for finished rows and for rows with no masked-in token."""
@@ -166,6 +176,7 @@ def egae_bootstrap(values: torch.Tensor, mask: torch.Tensor, truncated: torch.Te
     return torch.where(ok, v_last, torch.zeros_like(v_last))
 
 
+@torch.no_grad()
 def compute_egae(
     token_rewards: torch.Tensor,
     values: torch.Tensor,
@@ -194,6 +205,7 @@ def compute_egae(
     )
 
 
+@torch.no_grad()
 def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
     """G_t = r_t + gamma * G_next(t) over masked-in tokens (REINFORCE++ return, ALGORITHMS §1.7).
 

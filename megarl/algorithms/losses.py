@@ -24,6 +24,11 @@ Count = int | float | torch.Tensor | None
 LOG_RATIO_CLAMP = 20.0
 
 
+def _msum(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """sum(x * m) as one dot product (no [B, T] temporary); differentiable."""
+    return torch.dot(x.reshape(-1), m.reshape(-1))
+
+
 def _check_count(name: str, c: Count) -> None:
     if isinstance(c, (int, float)) and c <= 0:
         raise ValueError(f"{name} must be > 0, got {c}")
@@ -34,7 +39,7 @@ def _token_mean(loss_mat, m, global_tokens=None, global_seqs=None, max_len=None)
     """sum_{i,t} m*l / N_tok, N_tok = global_tokens or local sum(m) (0 tokens -> loss 0)."""
     _check_count("global_tokens", global_tokens)
     den = m.sum().clamp(min=1.0) if global_tokens is None else global_tokens
-    return (loss_mat * m).sum() / den
+    return _msum(loss_mat, m) / den
 
 
 def _local_seqs(m):
@@ -55,7 +60,7 @@ def _seq_mean_token_sum(loss_mat, m, global_tokens=None, global_seqs=None, max_l
     """sum_i sum_t m*l / N_seq; N_seq = global_seqs or the local number of rows with >= 1 token."""
     _check_count("global_seqs", global_seqs)
     den = _local_seqs(m) if global_seqs is None else global_seqs
-    return (loss_mat * m).sum() / den
+    return _msum(loss_mat, m) / den
 
 
 @LOSS_AGGS.register("seq-mean-token-sum-norm")
@@ -65,7 +70,7 @@ def _seq_mean_token_sum_norm(loss_mat, m, global_tokens=None, global_seqs=None, 
     Additive over micro-batches as it stands (no count to globalise)."""
     L = loss_mat.shape[-1] if max_len is None else max_len
     _check_count("max_len", L)
-    return (loss_mat * m).sum() / L
+    return _msum(loss_mat, m) / L
 
 
 def agg_loss(
@@ -82,28 +87,38 @@ def agg_loss(
     - seq-mean-token-mean:     sum_i(sum_t m*l / sum_t m) / global_seqs (default: local non-empty rows)
     - seq-mean-token-sum:      sum(m*l) / global_seqs
     - seq-mean-token-sum-norm: sum(m*l) / max_len (Dr. GRPO; default max_len = T)
+
+    mask is 0/1 (bool or numeric). Half-precision losses are reduced in float32.
     """
     if loss_mat.shape != mask.shape:
         raise ValueError(f"loss shape {tuple(loss_mat.shape)} does not match mask {tuple(mask.shape)}")
+    if loss_mat.dtype in (torch.float16, torch.bfloat16):
+        loss_mat = loss_mat.float()  # reduce in float32
     m = mask.to(loss_mat.dtype)
     return LOSS_AGGS[mode](loss_mat, m, global_tokens=global_tokens, global_seqs=global_seqs, max_len=max_len)
 
 
-def _masked_frac(cond: torch.Tensor, m: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-    return (cond.to(m.dtype) * m).sum() / n
+def _count(cond: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
+    return (cond & mb).sum()
 
 
-def _ratio_metrics(ratio, log_ratio, mb, m, n) -> dict[str, torch.Tensor]:
+def _ratio_metrics(ratio, log_ratio, mb, m, count, n) -> dict[str, torch.Tensor]:
     one = torch.ones((), dtype=ratio.dtype, device=ratio.device)
-    has = mb.any()
+    has = count > 0
+    s_ratio, s_log = _msum(ratio, m), _msum(log_ratio, m)
     return {
         # KL(pi_old || pi_theta) estimated on samples from pi_old, x = logp - logp_old:
-        "approx_kl": ((ratio - 1.0 - log_ratio) * m).sum() / n,  # k3: e^x - 1 - x (>= 0, low variance)
-        "approx_kl_k1": (-log_ratio * m).sum() / n,  # k1: -x
-        "ratio_mean": (ratio * m).sum() / n,
+        "approx_kl": (s_ratio - s_log - count) / n,  # k3: mean(e^x - 1 - x) (>= 0, low variance)
+        "approx_kl_k1": -s_log / n,  # k1: mean(-x)
+        "ratio_mean": s_ratio / n,
         "ratio_max": torch.where(has, ratio.masked_fill(~mb, float("-inf")).max(), one),
         "ratio_min": torch.where(has, ratio.masked_fill(~mb, float("inf")).min(), one),
     }
+
+
+def _log_ratio_and_ratio(log_probs, old_log_probs):
+    log_ratio = (log_probs - old_log_probs).clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return log_ratio, torch.exp(log_ratio)
 
 
 @POLICY_LOSSES.register("ppo")
@@ -142,31 +157,30 @@ def policy_loss(
             "policy_loss: shapes differ: log_probs %s, old_log_probs %s, advantages %s, mask %s"
             % tuple(tuple(t.shape) for t in (log_probs, old_log_probs, advantages, mask))
         )
-    adv = advantages.to(log_probs.dtype)
-    log_ratio = (log_probs - old_log_probs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = torch.exp(log_ratio)
-    l1 = -adv * ratio
-    l2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    clipped = torch.maximum(l1, l2)
+    neg_adv = -advantages.to(log_probs.dtype)
+    log_ratio, ratio = _log_ratio_and_ratio(log_probs, old_log_probs)
+    clipped = torch.maximum(neg_adv * ratio, neg_adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high))
     if clip_c is not None:
-        l3 = -adv * clip_c
-        per_token = torch.where(adv < 0, torch.minimum(clipped, l3), clipped)
+        per_token = torch.where(neg_adv > 0, torch.minimum(clipped, neg_adv * clip_c), clipped)
     else:
         per_token = clipped
     loss = agg_loss(per_token, mask, agg, global_tokens, global_seqs, max_len)
 
     with torch.no_grad():
+        # Where the clip is active (L2 > L1): A > 0 and rho > 1+clip_high, or A < 0 and rho < 1-clip_low.
+        # Dual-clip is active where A < 0 and max(rho, clip(rho)) > c, i.e. rho > c (c > 1).
         mb = mask.bool()
         m = mask.to(log_probs.dtype)
-        n = m.sum().clamp(min=1.0)
-        active = l2 > l1
-        high = _masked_frac(active & (adv > 0), m, n)
-        low = _masked_frac(active & (adv < 0), m, n)
+        count = mb.sum()
+        n = count.clamp(min=1).to(log_probs.dtype)
+        ratio, log_ratio, pos, neg = ratio.detach(), log_ratio.detach(), neg_adv < 0, neg_adv > 0
+        high = _count((ratio > 1.0 + clip_high) & pos, mb) / n
+        low = _count((ratio < 1.0 - clip_low) & neg, mb) / n
         metrics = {"clipfrac_high": high, "clipfrac_low": low, "clipfrac": high + low}
-        dual = (adv < 0) & (clipped > -adv * clip_c) if clip_c is not None else torch.zeros_like(mb)
-        metrics["dual_clip_frac"] = _masked_frac(dual, m, n)
-        metrics.update(_ratio_metrics(ratio.detach(), log_ratio.detach(), mb, m, n))
-        metrics["n_tokens"] = m.sum()
+        dual = _count((ratio > clip_c) & neg, mb) / n if clip_c is not None else torch.zeros_like(high)
+        metrics["dual_clip_frac"] = dual
+        metrics.update(_ratio_metrics(ratio, log_ratio, mb, m, count, n))
+        metrics["n_tokens"] = count.to(log_probs.dtype)
     return loss, metrics
 
 
@@ -190,14 +204,14 @@ def vanilla_pg_loss(
     At rho = 1 its gradient is REINFORCE's -A * grad log pi. Clip arguments are accepted for a
     uniform signature and ignored. Metrics: approx_kl (k3), approx_kl_k1, ratio_mean/max/min, n_tokens.
     """
-    log_ratio = (log_probs - old_log_probs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = torch.exp(log_ratio)
+    log_ratio, ratio = _log_ratio_and_ratio(log_probs, old_log_probs)
     loss = agg_loss(-advantages.to(log_probs.dtype) * ratio, mask, agg, global_tokens, global_seqs, max_len)
     with torch.no_grad():
-        m = mask.to(log_probs.dtype)
-        n = m.sum().clamp(min=1.0)
-        metrics = _ratio_metrics(ratio.detach(), log_ratio.detach(), mask.bool(), m, n)
-        metrics["n_tokens"] = m.sum()
+        mb = mask.bool()
+        count = mb.sum()
+        n = count.clamp(min=1).to(log_probs.dtype)
+        metrics = _ratio_metrics(ratio.detach(), log_ratio.detach(), mb, mask.to(log_probs.dtype), count, n)
+        metrics["n_tokens"] = count.to(log_probs.dtype)
     return loss, metrics
 
 
@@ -235,13 +249,15 @@ def value_loss(
         per_token = 0.5 * err
     loss = agg_loss(per_token, mask, agg, global_tokens, global_seqs, max_len)
     with torch.no_grad():
+        mb = mask.bool()
         m = mask.to(values.dtype)
-        n = m.sum().clamp(min=1.0)
+        count = mb.sum()
+        n = count.clamp(min=1).to(values.dtype)
         metrics = {
-            "vf_clipfrac": _masked_frac(err_clip > err, m, n),
-            "vpred_mean": (values.detach() * m).sum() / n,
-            "vf_mse": (err.detach() * m).sum() / n,
-            "n_tokens": m.sum(),
+            "vf_clipfrac": _count(err_clip > err, mb) / n,
+            "vpred_mean": _msum(values.detach(), m) / n,
+            "vf_mse": _msum(err.detach(), m) / n,
+            "n_tokens": count.to(values.dtype),
         }
     return loss, metrics
 

@@ -57,6 +57,7 @@ def _scores_1d(scores: torch.Tensor, group_index: GroupIndex) -> tuple[torch.Ten
     return scores.to(dt), ids.to(scores.device), G
 
 
+@torch.no_grad()
 def grpo_advantages(
     scores: torch.Tensor, group_index: GroupIndex, norm_by_std: bool = True, eps: float = 1e-6
 ) -> torch.Tensor:
@@ -74,6 +75,7 @@ def grpo_advantages(
     return adv / (std + eps) if norm_by_std else adv
 
 
+@torch.no_grad()
 def rloo_advantages(scores: torch.Tensor, group_index: GroupIndex) -> torch.Tensor:
     """RLOO (ALGORITHMS §1.6), [N]: A_i = s_i - mean_{j != i} s_j = n/(n-1) * (s_i - mean_g).
 
@@ -107,6 +109,7 @@ def place_outcome_reward(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tens
     return out.scatter_(1, idx.unsqueeze(1), src.unsqueeze(1))
 
 
+@torch.no_grad()
 def reinforce_pp_advantages(
     token_rewards: torch.Tensor,
     mask: torch.Tensor,

@@ -17,7 +17,8 @@ a_j = 0, so it is not used. Instead a two-level chunked scan:
 
 Only suffix products inside one chunk are formed (no division), so nothing can underflow in a way
 that matters: a product below the float range is, correctly, ~0. Python loops: C + n ~ 2*sqrt(T)
-steps on whole-batch tensors, instead of T.
+steps on whole-batch tensors, instead of T. No gradient flows through the scan (it is used for
+advantage/return targets only).
 """
 
 from __future__ import annotations
@@ -28,42 +29,55 @@ import torch
 
 
 def _chunk_size(T: int) -> int:
-    return max(8, min(512, int(math.ceil(math.sqrt(T)))))
+    """About sqrt(T), preferring a divisor of T (no padding copy)."""
+    c0 = max(8, min(512, int(math.ceil(math.sqrt(T)))))
+    for c in range(c0, max(8, c0 // 2) - 1, -1):
+        if T % c == 0:
+            return c
+    return c0
 
 
-def reverse_linear_scan(x: torch.Tensor, a: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
-    """y_t = x_t + a_t * y_{t+1} along the last axis, y_T = 0. x, a: [B, T] -> y: [B, T]."""
+@torch.no_grad()
+def reverse_linear_scan(
+    x: torch.Tensor, a: torch.Tensor, init: torch.Tensor | None = None, chunk: int | None = None
+) -> torch.Tensor:
+    """y_t = x_t + a_t * y_{t+1} along the last axis, y_T = init (default 0). x, a: [B, T]; init: [B]."""
     if x.shape != a.shape or x.dim() != 2:
         raise ValueError(f"reverse_linear_scan: x and a must both be [B, T], got {tuple(x.shape)} and {tuple(a.shape)}")
     B, T = x.shape
+    if init is not None and tuple(init.shape) != (B,):
+        raise ValueError(f"reverse_linear_scan: init must be [B] = [{B}], got {tuple(init.shape)}")
     if T == 0 or B == 0:
         return x.clone()
-    C = chunk or _chunk_size(T)
+    C = min(chunk or _chunk_size(T), T)
     n = -(-T // C)
     pad = n * C - T
     if pad:
         x = torch.nn.functional.pad(x, (0, pad), value=0.0)
         a = torch.nn.functional.pad(a, (0, pad), value=1.0)
-    # [C, B, n]: step j of every chunk is one contiguous slice.
-    xs = x.view(B, n, C).permute(2, 0, 1).contiguous()
-    as_ = a.view(B, n, C).permute(2, 0, 1).contiguous()
+    M = B * n
+    # [C, M]: column (b, chunk), row j = step j of that chunk. A plain 2-D transpose (fast copy path).
+    # Fresh buffers (never views of the inputs): they are overwritten in place below.
+    xs = torch.empty((C, M), dtype=x.dtype, device=x.device).copy_(x.reshape(M, C).t())
+    as_ = torch.empty((C, M), dtype=a.dtype, device=a.device).copy_(a.reshape(M, C).t())
 
-    local = torch.empty_like(xs)
-    carry = torch.zeros_like(xs[0])
-    for j in range(C - 1, -1, -1):
-        carry = torch.addcmul(xs[j], as_[j], carry)
-        local[j] = carry
+    # 1. recursion inside every chunk with zero carry-in, in place: xs becomes local_j, as_ becomes
+    #    suffix_j = prod_{i=j}^{C-1} a_i
+    local, suffix = xs, as_
+    for j in range(C - 2, -1, -1):
+        local[j].addcmul_(as_[j], local[j + 1])
+        suffix[j].mul_(suffix[j + 1])
 
-    # suffix[j] = prod_{i=j}^{C-1} a_i inside each chunk
-    suffix = as_.flip(0).cumprod(0).flip(0)
-
-    # y at the start of chunk c+1, i.e. the carry into chunk c; zero after the last chunk
-    carry_in = torch.empty_like(xs[0])  # [B, n]
-    y_start = torch.zeros_like(carry_in[:, 0])
+    # 2. recursion over chunk boundaries: carry_in[b, c] = y at the first position of chunk c+1
+    start_local = local[0].view(B, n)
+    start_prod = suffix[0].view(B, n)
+    carry_in = torch.empty_like(start_local)
+    y_start = torch.zeros_like(start_local[:, 0]) if init is None else init.to(x.dtype)
     for c in range(n - 1, -1, -1):
         carry_in[:, c] = y_start
-        y_start = torch.addcmul(local[0, :, c], suffix[0, :, c], y_start)
+        y_start = torch.addcmul(start_local[:, c], start_prod[:, c], y_start)
 
-    y = torch.addcmul(local, suffix, carry_in.unsqueeze(0))
-    y = y.permute(1, 2, 0).reshape(B, n * C)
+    # 3. fix-up and transpose back
+    local.addcmul_(suffix, carry_in.view(1, M))
+    y = local.t().contiguous().view(B, n * C)
     return y[:, :T] if pad else y

@@ -146,6 +146,7 @@ def apply_override(tree: dict, prov: dict[str, str], text: str) -> None:
         child = node.get(part)
         if child is None:
             child = node[part] = {}
+            prov[".".join(parts[: i + 1])] = f"override '{text}'"
         if not isinstance(child, dict):
             prefix = ".".join(parts[: i + 1])
             raise ConfigError(f"override {text!r}: '{prefix}' is {child!r}, not a mapping")
@@ -319,8 +320,13 @@ def _suggest(key: str, fields: dict, parent: str) -> str:
 
 
 def from_dict(data: dict, prov: dict[str, str] | None = None, validate: bool = True) -> MegaRLConfig:
-    """Build and (by default) validate a config from a plain mapping."""
+    """Build and (by default) validate a config from a plain mapping (merged over the defaults, so
+    free-form mappings such as ``reward`` keep their default keys)."""
     conv = _Converter(prov or {})
+    if isinstance(data, dict):
+        merged = config_to_dict(MegaRLConfig())
+        _merge(merged, data, {}, "<data>")
+        data = merged
     cfg = conv.build(MegaRLConfig, data, "")
     if conv.errors:
         raise ConfigError(conv.errors)

@@ -115,7 +115,7 @@ def validate_config(cfg: MegaRLConfig, where: Callable[[str], str] | None = None
     e.check(t.log_interval >= 1, "trainer.log_interval", f"must be >= 1, got {t.log_interval}")
     ev = cfg.eval
     e.check(ev.n_samples >= 1, "eval.n_samples", f"must be >= 1, got {ev.n_samples}")
-    e.check(ev.temperature > 0, "eval.temperature", f"must be > 0, got {ev.temperature}")
+    e.check(ev.temperature >= 0, "eval.temperature", f"must be >= 0 (0 = greedy), got {ev.temperature}")
     e.check(0 < ev.top_p <= 1, "eval.top_p", f"must be in (0, 1], got {ev.top_p}")
     e.check(ev.max_new_tokens >= 1, "eval.max_new_tokens", f"must be >= 1, got {ev.max_new_tokens}")
     e.check(ev.every is None or ev.every >= 0, "eval.every", f"must be >= 0 or null, got {ev.every}")

@@ -1,1 +1,11 @@
-"""megarl.models"""
+"""megarl.models: HF config -> megatron-core GPTModel (family registry, bridges, value head)."""
+
+from megarl.models.builder import build_model, padded_vocab_size, transformer_config, unwrap
+from megarl.models.families import (
+    ArchSpec, UnsupportedModelError, arch_spec, register_family, supported_model_types)
+from megarl.models.forward import megatron_forward_logits
+
+__all__ = [
+    "ArchSpec", "UnsupportedModelError", "arch_spec", "build_model", "megatron_forward_logits",
+    "padded_vocab_size", "register_family", "supported_model_types", "transformer_config", "unwrap",
+]

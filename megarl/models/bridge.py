@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
@@ -65,7 +65,9 @@ def map_param(name: str, model, spec: ArchSpec) -> ParamMap:
     if name == "decoder.final_layernorm.weight":
         return ParamMap(name, ("model.norm.weight",), "replicated")
     if name == "output_layer.weight":
-        if getattr(model, "output_layer", None).__class__.__name__ == "ValueHead":
+        from megarl.models.value_head import ValueHead
+
+        if isinstance(model.output_layer, ValueHead):
             return ParamMap(name, (VALUE_HEAD_HF_NAME,), "replicated", optional=True)
         if model.share_embeddings_and_output_weights:
             return ParamMap(name, ("model.embed_tokens.weight",), "vocab", export=False)
@@ -83,24 +85,29 @@ def param_maps(model, spec: ArchSpec) -> list[tuple[ParamMap, torch.nn.Parameter
     return [(map_param(n, model, spec), p) for n, p in model.named_parameters()]
 
 
-def expected_hf_names(spec: ArchSpec, value_head: bool = False) -> set[str]:
-    """Every HF tensor name the whole model (all stages) has."""
-    names = {"model.embed_tokens.weight", "model.norm.weight"}
+def expected_hf_shapes(spec: ArchSpec, value_head: bool = False) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every HF tensor of the whole model (all stages)."""
+    h, d, f = spec.hidden_size, spec.head_dim, spec.ffn_hidden_size
+    q, kv = spec.num_attention_heads * d, spec.num_query_groups * d
+    shapes = {"model.embed_tokens.weight": (spec.vocab_size, h), "model.norm.weight": (h,)}
     if value_head:
-        names.add(VALUE_HEAD_HF_NAME)
+        shapes[VALUE_HEAD_HF_NAME] = (1, h)
     elif not spec.tie_word_embeddings:
-        names.add("lm_head.weight")
-    rules = {"input_layernorm.weight", "self_attention.linear_qkv.weight",
-             "self_attention.linear_proj.weight", "pre_mlp_layernorm.weight",
-             "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"}
+        shapes["lm_head.weight"] = (spec.vocab_size, h)
+    layer = {
+        "input_layernorm.weight": (h,), "self_attn.q_proj.weight": (q, h),
+        "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
+        "self_attn.o_proj.weight": (h, q), "post_attention_layernorm.weight": (h,),
+        "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f),
+    }
     if spec.add_qkv_bias:
-        rules.add("self_attention.linear_qkv.bias")
+        layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+                      "self_attn.v_proj.bias": (kv,)})
     if spec.qk_layernorm:
-        rules |= {"self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"}
-    for layer in range(spec.num_layers):
-        for rule in rules:
-            names.update(f"model.layers.{layer}.{s}" for s in _LAYER_RULES[rule][0])
-    return names
+        layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
+    for i in range(spec.num_layers):
+        shapes.update({f"model.layers.{i}.{k}": v for k, v in layer.items()})
+    return shapes
 
 
 # ---------------------------------------------------------------- TP layouts
@@ -190,5 +197,3 @@ def merge_shards(pm: ParamMap, shards: list[torch.Tensor], spec: ArchSpec) -> li
         return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
     raise ValueError(f"unknown layout {pm.layout!r}")
 
-
-Reader = Callable[[str], torch.Tensor]

@@ -177,6 +177,7 @@ def build_model(hf_config: Any, *, dtype: torch.dtype | str = torch.float32, imp
             model = GPTModel(**kwargs)
         model.rotary_pos_emb.inv_freq = inv_freq.clone().to(model.rotary_pos_emb.inv_freq.device)
         model.hf_vocab_size = spec.vocab_size  # true vocabulary (padding stripped on export)
+        model.arch_spec = spec
         if model.post_process and not value_head and mask_padded_vocab and vocab > spec.vocab_size:
             model.output_layer.register_forward_hook(_mask_padded_vocab_hook(spec.vocab_size, vocab))
         if torch.cuda.is_available():

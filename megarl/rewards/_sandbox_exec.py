@@ -6,11 +6,12 @@ It runs in a fresh single-threaded interpreter (so fork() and privilege changes 
 when the caller has threads), uses the standard library only, and never imports megarl.
 
 Modes (spec["mode"]):
-- "namespace": drop to spec["uid"] if given (the caller was root), open the bind sources,
-  unshare user+mount+net+pid+ipc+uts namespaces, build a new root on a tmpfs (read-only binds
-  of the interpreter and system libraries, the work dir read-write, tmpfs /tmp, a few /dev
-  nodes, no /proc, no /etc beyond ld.so.cache), pivot_root into it, then fork the untrusted
-  program as pid 2 under rlimits + seccomp; pid 1 reaps and mirrors its exit status.
+- "namespace": a child unshares user+mount+net+pid+ipc+uts namespaces; the launcher writes
+  its uid/gid maps (inner uid -> spec["uid"] when the caller is root, else the caller's own
+  uid). pid 1 of the new pid namespace builds a new root on a tmpfs (read-only binds of the
+  interpreter and system libraries, the work dir read-write, tmpfs /tmp, a few /dev nodes, no
+  /proc, no /etc beyond ld.so.cache), pivot_roots into it, and forks the program as pid 2,
+  which switches to the inner uid (losing all capabilities at exec) under rlimits + seccomp.
 - "rlimit": the fallback: drop to spec["uid"] if given, rlimits + seccomp, exec in the work
   dir. No filesystem isolation.
 - "kill": drop to spec["uid"] and SIGKILL every process of that uid (fallback cleanup).
@@ -38,10 +39,11 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 MS_NOATIME, MS_NODIRATIME, MS_RELATIME = 1024, 2048, 1 << 21
 MNT_DETACH = 2
-PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP = 1, 4, 38, 22
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP = 1, 38, 22
 SECCOMP_MODE_FILTER = 2
 AF_UNIX = 1
 EPERM, EACCES, ENOSYS = 1, 13, 38
+_DEV_NODES = ("null", "zero", "random", "urandom")
 
 # Syscalls the untrusted program never needs; numbers from the kernel's uapi headers.
 _DENY = ("ptrace mount umount2 pivot_root chroot unshare setns keyctl add_key request_key bpf "
@@ -141,9 +143,6 @@ def _drop_privileges(uid: int | None) -> None:
     os.setgroups([])
     os.setresgid(uid, uid, uid)
     os.setresuid(uid, uid, uid)
-    # The uid change made us non-dumpable, which hands /proc/self/* to root; take it back so
-    # that this process can write its own uid_map.
-    _libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
 
 
 def _exec_untrusted(spec: dict, nproc_base: int, allow_unix_socket: bool) -> None:
@@ -184,73 +183,99 @@ def _write(path: str, text: str) -> None:
         f.write(text)
 
 
-def _build_root(spec: dict, fds: dict[str, int]) -> None:
+def _make_skeleton(spec: dict) -> None:
+    """Mount points of the new root, created before unsharing: inside the user namespace a
+    root caller's uid is unmapped and could not create files."""
+    root = spec["rootdir"]
+    for path in spec["ro_binds"]:
+        if os.path.isdir(path):
+            os.makedirs(root + path, mode=0o755, exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(root + path), mode=0o755, exist_ok=True)
+            open(root + path, "w").close()
+    for link, dest in spec["symlinks"].items():
+        os.symlink(dest, root + link)
+    os.makedirs(root + "/dev", mode=0o755)
+    for node in _DEV_NODES:
+        open(f"{root}/dev/{node}", "w").close()
+    for d in ("/tmp", spec["cwd"], "/.old"):
+        os.makedirs(root + d, mode=0o755)
+
+
+def _build_root(spec: dict) -> None:
     root = spec["rootdir"]
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
-    _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=16m,mode=0755")
+    _mount(root, root, None, MS_BIND)  # pivot_root needs the new root to be a mount point
     for path in spec["ro_binds"]:
         target = root + path
-        if os.path.isdir(f"/proc/self/fd/{fds[path]}"):
-            os.makedirs(target, exist_ok=True)
-        else:
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            open(target, "w").close()
-        _mount(f"/proc/self/fd/{fds[path]}", target, None, MS_BIND | MS_REC)
+        _mount(path, target, None, MS_BIND | MS_REC)
         keep = os.statvfs(target).f_flag & (MS_NOEXEC | MS_NOATIME | MS_NODIRATIME | MS_RELATIME)
         _mount(None, target, None,
                MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | keep)
-    for link, dest in spec["symlinks"].items():
-        os.symlink(dest, root + link)
-    os.makedirs(root + "/dev")
-    _mount("tmpfs", root + "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "size=64k,mode=0755")
-    for node in ("null", "zero", "random", "urandom"):
-        open(f"{root}/dev/{node}", "w").close()
+    for node in _DEV_NODES:
         _mount(f"/dev/{node}", f"{root}/dev/{node}", None, MS_BIND)
-    os.makedirs(root + "/tmp")
     _mount("tmpfs", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
            f"size={spec['tmpfs_mb']}m,mode=1777")
-    os.makedirs(root + spec["cwd"])
-    _mount(f"/proc/self/fd/{fds['<work>']}", root + spec["cwd"], None, MS_BIND)
+    _mount(spec["workdir"], root + spec["cwd"], None, MS_BIND)
     _mount(None, root + spec["cwd"], None, MS_BIND | MS_REMOUNT | MS_NOSUID | MS_NODEV)
-    os.makedirs(root + "/.old")
     _check(_libc.syscall(155 if os.uname().machine == "x86_64" else 41,
                          root.encode(), (root + "/.old").encode()), "pivot_root")
     os.chdir("/")
     _check(_libc.umount2(b"/.old", MNT_DETACH), "umount old root")
-    os.rmdir("/.old")
+    try:
+        os.rmdir("/.old")
+    except OSError:
+        pass
     _mount(None, "/", None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
     _libc.sethostname(b"sandbox", 7)
 
 
 def _run_namespace(spec: dict) -> None:
-    fds = {p: os.open(p, os.O_PATH) for p in spec["ro_binds"]}
-    fds["<work>"] = os.open(spec["workdir"], os.O_PATH | os.O_DIRECTORY)
-    _drop_privileges(spec.get("uid"))
-    uid, gid = os.geteuid(), os.getegid()
+    """launcher -> unsharer (new namespaces; the launcher writes its id maps, which a root
+    launcher may point at any uid) -> pid 1 (builds the root, reaps) -> pid 2 (the program,
+    as the inner uid, which maps to spec["uid"] or to the caller's own uid)."""
+    outer_uid = spec["uid"] if spec.get("uid") is not None else os.getuid()
+    outer_gid = spec["uid"] if spec.get("uid") is not None else os.getgid()
+    if os.geteuid() == 0:
+        os.setgroups([])  # no supplementary groups (e.g. root's) survive into the sandbox
+    _make_skeleton(spec)
+    ready_r, ready_w = os.pipe()
+    go_r, go_w = os.pipe()
+    status_r, status_w = os.pipe()
+    unsharer = os.fork()
+    if unsharer:
+        for fd in (ready_w, go_r, status_w):
+            os.close(fd)
+        if os.read(ready_r, 1) == b"1":
+            inner = spec["inner_uid"]
+            _write(f"/proc/{unsharer}/setgroups", "deny")
+            _write(f"/proc/{unsharer}/uid_map", f"{inner} {outer_uid} 1")
+            _write(f"/proc/{unsharer}/gid_map", f"{inner} {outer_gid} 1")
+            os.write(go_w, b"1")
+        reported = os.read(status_r, 4)
+        _, status = os.waitpid(unsharer, 0)
+        _mirror_exit(struct.unpack("i", reported)[0] if len(reported) == 4 else status)
+    for fd in (ready_r, go_w, status_r):
+        os.close(fd)
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     _check(_libc.unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID
                          | CLONE_NEWIPC | CLONE_NEWUTS), "unshare")
-    inner = spec["inner_uid"]
-    _write("/proc/self/setgroups", "deny")
-    _write("/proc/self/uid_map", f"{inner} {uid} 1")
-    _write("/proc/self/gid_map", f"{inner} {gid} 1")
-    status_r, status_w = os.pipe()
+    os.write(ready_w, b"1")
+    if os.read(go_r, 1) != b"1":
+        _fail("id maps were not written")
     init = os.fork()
     if init:
-        os.close(status_w)
-        reported = os.read(status_r, 4)
         _, status = os.waitpid(init, 0)
-        _mirror_exit(struct.unpack("i", reported)[0] if len(reported) == 4 else status)
-    # pid 1 of the new pid namespace: dies with the launcher, which the caller kills on timeout.
-    # A pid-namespace init ignores its own fatal signals, so it reports the program's wait
-    # status through a pipe instead of mirroring it.
-    os.close(status_r)
+        _mirror_exit(status)  # used by the launcher only when pid 1 reported nothing
+    # pid 1 of the new pid namespace. A pid-namespace init ignores its own fatal signals, so it
+    # reports the program's wait status through a pipe instead of mirroring it.
     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    _build_root(spec, fds)
-    for fd in fds.values():
-        os.close(fd)
+    _build_root(spec)
     child = os.fork()
     if child == 0:
-        os.close(status_w)
+        inner = spec["inner_uid"]
+        os.setresgid(inner, inner, inner)
+        os.setresuid(inner, inner, inner)  # non-zero uid: exec drops every capability
         _exec_untrusted(spec, nproc_base=1, allow_unix_socket=True)
     while True:  # reap orphans until the program itself exits; its exit ends the namespace
         pid, status = os.waitpid(-1, 0)

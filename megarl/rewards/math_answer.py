@@ -96,6 +96,10 @@ _TRAILING_WORD_UNIT = re.compile(
     rf"(?<=[\d}}])\s*(?:(?:square|sq\.?|cubic)\s+)?(?:{_UNIT_WORDS})\.?(?:\^\{{?\d\}}?)?\s*$",
     re.IGNORECASE,
 )
+_NUMBER_THEN_WORDS = re.compile(  # "5 apples", "12 red marbles": a number followed by plain words
+    r"^([+-]?\d[\d,]*(?:\.\d+)?)\s+(?!(?:sin|cos|tan|cot|sec|csc|log|ln|exp|sqrt|pi)\b)"
+    r"[a-z]{3,}(?:\s+[a-z]+)*$"
+)
 _LEADING_PHRASE = re.compile(r"(?i)^(?:the\s+)?(?:final\s+)?answer\s*(?:is\s*:?|:)\s*")
 _ASSIGNMENT = re.compile(r"^[A-Za-z]\s*(?:=|\\in)\s*(?=\S)")
 _SPACING_CMDS = re.compile(r"(?<!\\)\\[!,;: ]|\\q?quad\b")  # not the \\ row separator
@@ -130,6 +134,7 @@ def normalize(answer: str) -> str:
     s = s.strip().rstrip(".").strip()
     for pattern in (_TRAILING_TEXT_UNIT, _TRAILING_WORD_UNIT):
         s = pattern.sub("", s).strip()
+    s = _NUMBER_THEN_WORDS.sub(r"\1", s)
     s = re.sub(rf"{_TEXT_CMD}\{{([^{{}}]*)\}}", r"\1", s)
     s = _ASSIGNMENT.sub("", s)
     s = _collapse_spaces(s.strip())

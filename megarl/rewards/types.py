@@ -10,13 +10,15 @@ from typing import Any
 class RewardInput:
     """One sample to score.
 
-    `reference` is the gold answer (math), the reference / anchor response (GenRM), or None.
-    `extra` carries source-specific data, e.g. `extra["tests"]` for code.
+    `gold` is the ground-truth answer (math) or None. `reference` is a reference response
+    (GenRM compares against it, 0.5 = parity; Pairwise-RL's anchor); when it is None GenRM
+    falls back to `gold`. `extra` carries source-specific data, e.g. `extra["tests"]` for code.
     """
 
     data_source: str
     prompt: str
     response: str
+    gold: str | None = None
     reference: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 

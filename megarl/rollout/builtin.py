@@ -13,8 +13,8 @@ Log-probs. `Sample.logprobs[i]` is the log-probability of `response_ids[i]` unde
 it was sampled from (temperature, top-k, top-p applied and renormalised; FIRE's first token under
 the FIRE distribution). Greedy (temperature 0) reports the unmodified log-softmax (temperature 1).
 
-Finish reasons: "stop" (EOS id from config.json / generation_config.json, a stop token id, or a
-stop string; the token that completes it is kept in `response_ids` and `text`), "length"
+Finish reasons: "stop" (an EOS id from config.json, generation_config.json or the tokenizer, a
+stop token id, or a stop string; the token that completes it is kept in `response_ids` and `text`), "length"
 (`max_new_tokens` or the context length reached), "truncated" (T-PPO `window` reached first;
 `continue_samples` resumes it under the current weights, re-prefilling prompt + response).
 
@@ -79,7 +79,8 @@ class BuiltinEngine:
         self.tokenizer = tokenizer
         if eos_token_ids is None:
             eos_token_ids = [] if isinstance(config, ModelArgs) else _config_eos(config)
-        self.eos_token_ids = [int(t) for t in eos_token_ids]
+            eos_token_ids += _tokenizer_eos(tokenizer)
+        self.eos_token_ids = list(dict.fromkeys(int(t) for t in eos_token_ids))
         self.max_context = min(max_context or self.args.max_position_embeddings,
                                self.args.max_position_embeddings)
         self.model = DecoderLM.empty(self.args, self.dtype, self.device)
@@ -104,8 +105,9 @@ class BuiltinEngine:
             if has_tokenizer(hf_dir):
                 from transformers import AutoTokenizer
                 tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
-        engine = cls(config, dtype=dtype, device=device, tokenizer=tokenizer,
-                     eos_token_ids=eos_token_ids(config, hf_dir), max_context=max_context)
+        eos = eos_token_ids(config, hf_dir) + _tokenizer_eos(tokenizer)
+        engine = cls(config, dtype=dtype, device=device, tokenizer=tokenizer, eos_token_ids=eos,
+                     max_context=max_context)
         engine.update_weights(iter_checkpoint_buckets(hf_dir))
         return engine
 
@@ -127,19 +129,23 @@ class BuiltinEngine:
             raise RuntimeError("update_weights: engine memory is released; call resume_memory() first")
         params = dict(self.model.named_parameters())
         seen: set[str] = set()
-        for bucket in stream:
-            for name, tensor in bucket:
-                key = self._param_key(name)
-                if key is None:
-                    continue
-                if key not in params:
-                    raise ValueError(f"update_weights: unknown weight {name!r} for a "
-                                     f"{self.args.model_type} model")
-                if tuple(tensor.shape) != tuple(params[key].shape):
-                    raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, "
-                                     f"expected {tuple(params[key].shape)}")
-                params[key].data.copy_(tensor)
-                seen.add(key)
+        try:
+            for bucket in stream:
+                for name, tensor in bucket:
+                    key = self._param_key(name)
+                    if key is None:
+                        continue
+                    if key not in params:
+                        raise ValueError(f"update_weights: unknown weight {name!r} for a "
+                                         f"{self.args.model_type} model")
+                    if tuple(tensor.shape) != tuple(params[key].shape):
+                        raise ValueError(f"update_weights: {name!r} has shape "
+                                         f"{tuple(tensor.shape)}, expected {tuple(params[key].shape)}")
+                    params[key].data.copy_(tensor)
+                    seen.add(key)
+        except BaseException:
+            self._loaded.clear()  # weights are now a mix of versions: refuse to generate
+            raise
         self._loaded |= seen
         missing = sorted(set(params) - seen)
         if strict and missing:
@@ -360,6 +366,11 @@ class BuiltinEngine:
             logits = self.model(token_t[:, None], next_pos[:, None], cache, slot,
                                 key_valid[:, None, None, :slot + 1])
             next_pos = next_pos + 1
+
+
+def _tokenizer_eos(tokenizer: Any) -> list[int]:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return [int(eos)] if isinstance(eos, int) else []
 
 
 def _config_eos(config: Any) -> list[int]:

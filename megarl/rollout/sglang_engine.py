@@ -61,6 +61,8 @@ class SGLangEngine:
                  random_seed: int | None = None, load_format: str = "auto",
                  enable_weights_cpu_backup: bool = False, bucket_bytes: int = 512 << 20,
                  **server_kwargs: Any):
+        sglang = _import_sglang()
+        self.sglang_version = sglang.__version__
         self.model_path = str(model_path)
         self.group = group
         group_size = dist.get_world_size(group) if group is not None else 1
@@ -78,8 +80,6 @@ class SGLangEngine:
         self.weights_valid = load_format != "dummy"
         self.tokenizer = None
         self._engine = None
-        sglang = _import_sglang()
-        self.sglang_version = sglang.__version__
         if self.is_owner:
             if base_gpu_id is None:
                 base_gpu_id = torch.cuda.current_device()

@@ -45,6 +45,12 @@ class SamplingParams:
             (self.max_new_tokens >= 1, "max_new_tokens must be >= 1"),
             (self.fire_temperature > 0, "fire_temperature must be > 0"),
             (self.window is None or self.window >= 1, "window must be >= 1"),
+            (isinstance(self.top_k, int), "top_k must be an int (<= 0 disables it)"),
+            (self.fire_top_k >= 1, "fire_top_k must be >= 1"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
+            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+             "stop_token_ids must be non-negative ints"),
+            (self.seed is None or isinstance(self.seed, int), "seed must be an int or None"),
         ]
         for ok, msg in checks:
             if not ok:

@@ -59,6 +59,17 @@ def test_reverse_linear_scan_matches_loop_with_zero_decay_and_padding():
             torch.testing.assert_close(reverse_linear_scan(x, a, chunk=chunk), ref, rtol=1e-12, atol=1e-12)
 
 
+def test_reverse_linear_scan_leaves_inputs_untouched_and_uses_init():
+    for B, T, chunk in ((1, 5, None), (1, 5, 5), (3, 4, 1), (2, 9, 3)):
+        x, a = torch.randn(B, T), torch.rand(B, T)
+        x0, a0 = x.clone(), a.clone()
+        init = torch.full((B,), 2.0)
+        y = reverse_linear_scan(x, a, init=init, chunk=chunk)
+        assert torch.equal(x, x0) and torch.equal(a, a0)
+        # y_{T-1} = x_{T-1} + a_{T-1} * init
+        torch.testing.assert_close(y[:, -1], x[:, -1] + 2.0 * a[:, -1])
+
+
 def test_gae_hand_values_with_masked_hole():
     # m = [1,1,0,1,0]; the reward 5 and value 100 at the masked position must not leak.
     r = torch.tensor([[0.0, 0.0, 5.0, 1.0, 9.0]])
@@ -212,6 +223,8 @@ def test_shape_errors_name_the_argument():
         compute_gae(torch.zeros(2, 3), torch.zeros(2, 4), torch.ones(2, 3))
     with pytest.raises(ValueError, match="lam"):
         compute_gae(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3), 1.0, torch.ones(3))
+    with pytest.raises(ValueError, match="gamma"):
+        compute_gae(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3), 1.5)
     with pytest.raises(ValueError, match="truncated"):
         compute_egae(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3), torch.ones(3, dtype=torch.bool))
 

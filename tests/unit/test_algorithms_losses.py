@@ -157,15 +157,22 @@ def test_micro_batch_split_with_global_counts_equals_full_batch(mode):
         return torch.stack([pl, vl, nl]).detach(), logp.grad, v.grad
 
     full, g_full, gv_full = run(torch.arange(B), None, None, None, None)
-    parts, grads, vgrads = [], [], []
-    for rows in (torch.arange(0, 3), torch.arange(3, 4), torch.arange(4, 9)):
-        out, g, gv = run(rows, n_tok, n_seq, n_pos_tok, n_pos_seq)
-        parts.append(out)
-        grads.append(g)
-        vgrads.append(gv)
-    torch.testing.assert_close(sum(parts), full, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(torch.cat(grads), g_full, rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(torch.cat(vgrads), gv_full, rtol=1e-5, atol=1e-7)
+    gen = torch.Generator().manual_seed(1)
+    splits = [[torch.arange(0, 3), torch.arange(3, 4), torch.arange(4, 9)], [torch.arange(B)]]
+    for _ in range(3):  # random micro-batch partitions of shuffled rows, as a packer might produce
+        perm = torch.randperm(B, generator=gen)
+        cuts = sorted(torch.randperm(B - 1, generator=gen)[:3].add(1).tolist())
+        splits.append(list(torch.tensor_split(perm, cuts)))
+    for split in splits:
+        parts = []
+        g, gv = torch.zeros(B, T), torch.zeros(B, T)
+        for rows in split:
+            out, g_mb, gv_mb = run(rows, n_tok, n_seq, n_pos_tok, n_pos_seq)
+            parts.append(out)
+            g[rows], gv[rows] = g_mb, gv_mb
+        torch.testing.assert_close(sum(parts), full, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(g, g_full, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(gv, gv_full, rtol=1e-5, atol=1e-7)
     if mode == "token-mean":  # the local per-micro-batch mean is NOT the global value (the pitfall)
         naive = sum(
             policy_loss(logp0[r], old[r], adv[r], mask[r], 0.2, 0.28, 3.0, mode)[0]

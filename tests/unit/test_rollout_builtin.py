@@ -20,7 +20,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
 # initializer_range 0.1 makes attention peaked enough that RoPE / masking mistakes change tokens.
 COMMON = dict(vocab_size=160, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96,
-              initializer_range=0.1)
+              initializer_range=0.1, eos_token_id=None)
 FAMILIES = {
     "qwen2": lambda: Qwen2Config(**COMMON),
     "qwen3": lambda: Qwen3Config(**COMMON, head_dim=16),
@@ -43,7 +43,8 @@ def family_model(request, tmp_path_factory):
     model = _hf_model(request.param)
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
-    return request.param, model, path
+    refs = [_hf_greedy(model, p, 12, None) for p in PROMPTS]  # HF generate, once per family
+    return request.param, model, path, refs
 
 
 def _hf_greedy(model, prompt: list[int], new_tokens: int, eos: int | None) -> list[int]:
@@ -61,35 +62,35 @@ def _hf_logprobs(model, prompt: list[int], response: list[int]) -> torch.Tensor:
 
 
 def test_greedy_matches_hf_generate(family_model):
-    family, model, path = family_model
+    family, model, path, refs = family_model
     engine = BuiltinEngine.from_pretrained(path)
-    samples = engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=16))
+    samples = engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=12))
     assert [s.index for s in samples] == [0, 1, 2, 3]
-    for prompt, sample in zip(PROMPTS, samples):
+    for prompt, sample, ref in zip(PROMPTS, samples, refs):
         assert sample.prompt_ids == prompt
-        assert sample.response_ids == _hf_greedy(model, prompt, 16, None), family
+        assert sample.response_ids == ref, family
         assert sample.finish_reason == "length"
         hf = _hf_logprobs(model, prompt, sample.response_ids)  # greedy: log-softmax at T=1
         torch.testing.assert_close(torch.tensor(sample.logprobs), hf, atol=1e-4, rtol=0)
 
 
 def test_greedy_with_eos_removes_finished_rows(family_model):
-    """Rows stop at different steps on EOS; outputs still equal HF per-prompt generation."""
-    family, model, path = family_model
+    """Rows stop at different steps on EOS (the batch is compacted); each output is the HF
+    greedy sequence cut after its first EOS."""
+    family, model, path, refs = family_model
     engine = BuiltinEngine.from_pretrained(path)
-    free = engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=16))
-    eos = free[0].response_ids[3]  # a token row 0 emits at step 3 -> it stops early
+    eos = refs[0][3]  # a token row 0 emits at step 3 -> it stops early
     engine.eos_token_ids = [eos]
-    samples = engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=16))
+    samples = engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=12))
     assert samples[0].finish_reason == "stop" and len(samples[0].response_ids) <= 4
-    for prompt, sample in zip(PROMPTS, samples):
-        ref = _hf_greedy(model, prompt, 16, eos)
-        assert sample.response_ids == ref, family
-        assert sample.finish_reason == ("stop" if ref[-1] == eos else "length")
+    for sample, ref in zip(samples, refs):
+        expected = ref[:ref.index(eos) + 1] if eos in ref else ref
+        assert sample.response_ids == expected, family
+        assert sample.finish_reason == ("stop" if eos in ref else "length")
 
 
 def test_sampled_logprobs_match_hf_forward(family_model):
-    family, model, path = family_model
+    family, model, path, _ = family_model
     engine = BuiltinEngine.from_pretrained(path)
     samples = engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=12, n=3,
                                                       seed=123))
@@ -201,7 +202,8 @@ def test_bad_inputs_raise_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="prompt 0: expected a list of token ids"):
         engine.generate(["hello"], sp)
     for bad in (dict(temperature=-1.0), dict(top_p=0.0), dict(n=0), dict(max_new_tokens=0),
-                dict(window=0)):
+                dict(window=0), dict(top_k=2.5), dict(stop=[""]), dict(stop_token_ids=[-3]),
+                dict(fire_top_k=0)):
         with pytest.raises(ValueError, match="SamplingParams"):
             engine.generate([[1, 2]], SamplingParams(**bad))
     with pytest.raises(ValueError, match="needs a tokenizer"):
@@ -229,6 +231,13 @@ def test_bad_weights_raise(tmp_path):
     partial = [(k, v) for k, v in state.items() if k != "model.norm.weight"]
     with pytest.raises(ValueError, match=r"1 weights missing from the stream, e.g. \['model.norm"):
         engine.update_weights([partial])
+    engine.update_weights([list(state.items())])
+    engine.generate([[1]], SamplingParams(max_new_tokens=2))
+    broken = [list(state.items())[:3], [("model.bogus.weight", torch.zeros(1))]]
+    with pytest.raises(ValueError, match="unknown weight 'model.bogus.weight'"):
+        engine.update_weights(iter(broken))
+    with pytest.raises(RuntimeError, match="no complete weights"):  # half-updated: refuse
+        engine.generate([[1]], SamplingParams(max_new_tokens=2))
     with pytest.raises(ValueError, match="model_type='gpt2' is not supported"):
         BuiltinEngine({"model_type": "gpt2"})
 

@@ -1,0 +1,84 @@
+#!/usr/bin/env python
+"""Run megarl training on this machine (one node) under torchrun.
+
+    python launch/local.py --recipe configs/recipes/qwen2.5-7b/dapo.yaml \
+        --layout configs/layouts/qwen2.5-7b/1node.yaml [--nproc 8] [--dryrun] [key=value ...]
+
+Runs ``torchrun --standalone --nnodes 1 --nproc-per-node N -m megarl.cli train --config RECIPE
+[--config LAYOUT] overrides`` from the repository root with the launcher's environment defaults
+(CUDA_DEVICE_MAX_CONNECTIONS=1, ...). N defaults to parallel.gpus_per_node of the config; on a
+CPU machine pass e.g. ``--nproc 2``. ``--dryrun`` prints the command and environment only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from launch_common import (  # noqa: E402
+    REPO,
+    TRAIN_MODULE,
+    ConfigError,
+    add_common_arguments,
+    check_config,
+    fail,
+    load_config,
+    parse_env,
+    train_args,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_common_arguments(ap)
+    ap.add_argument("--nproc", type=int, help="processes (GPUs) on this node (default: parallel.gpus_per_node)")
+    ap.add_argument("--torchrun", default=None, help="torchrun executable (default: the one next to this Python)")
+    return ap
+
+
+def torchrun_executable(explicit: str | None) -> str:
+    if explicit:
+        return explicit
+    beside = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    return beside if os.path.exists(beside) else (shutil.which("torchrun") or "torchrun")
+
+
+def build_command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
+    """(argv, extra environment) of the local run, after validating the config for this world."""
+    files = [args.recipe, *args.layout]
+    cfg = load_config(files, args.overrides)
+    nproc = args.nproc or cfg.parallel.gpus_per_node
+    overrides = list(args.overrides)
+    if cfg.parallel.nodes != 1:
+        overrides.append("parallel.nodes=1")
+    if nproc != cfg.parallel.gpus_per_node:
+        overrides.append(f"parallel.gpus_per_node={nproc}")
+    check_config(files, overrides, nproc)
+    cmd = [torchrun_executable(args.torchrun), "--standalone", "--nnodes", "1", "--nproc-per-node", str(nproc),
+           "-m", TRAIN_MODULE, *train_args(args.recipe, args.layout, overrides)]
+    return cmd, parse_env(args.env)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cmd, env = build_command(args)
+    except ConfigError as e:
+        return fail(f"config: {e}")
+    if args.dryrun:
+        for key, value in env.items():
+            print(f"export {key}={shlex.quote(value)}")
+        print(f"cd {shlex.quote(REPO)}")
+        print(shlex.join(cmd))
+        return 0
+    return subprocess.run(cmd, cwd=REPO, env={**os.environ, **env}, check=False).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""Hybrid reward routing: score a batch of samples by data source, concurrently, never crashing.
+
+    outputs, metrics = RewardManager(cfg, resources={"judge": judge}).score(batch)
+
+Each sample is routed by `data_source` (RewardConfig.route) to a reward function from the
+registry. Per-sample functions run in a thread pool (`max_workers`); batch functions (GenRM)
+get all samples of their route in one call. Every failure — an exception, a RewardTimeout from
+the function, a sample past the manager's deadline, an unroutable data source, an invalid
+output — scores the route's failure value, is logged, and is counted. The manager's deadline
+is the last line of defence: a function past it is abandoned (its thread keeps running, so
+functions must enforce their own hard limits, as the math verifier and sandbox do).
+
+Metrics are additive counts and sums (safe to sum over ranks): reward/count, reward/failures,
+reward/timeouts, reward/correct, reward/score_sum, the same per route as reward/<route>/...,
+and reward/time_s.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+
+from megarl.rewards.config import RewardConfig
+from megarl.rewards.registry import BuiltReward, build_reward
+from megarl.rewards.types import RewardInput, RewardOutput, RewardTimeout
+
+logger = logging.getLogger(__name__)
+_LOGGED_FAILURES_PER_CALL = 5
+
+
+@dataclass
+class _Job:
+    key: str
+    indices: list[int]
+    is_batch: bool
+    timeout_s: float
+    started: list[float] = field(default_factory=list)  # set by the worker thread
+
+
+class RewardManager:
+    def __init__(self, cfg: RewardConfig | None = None, resources: dict | None = None):
+        self.cfg = cfg or RewardConfig()
+        resources = dict(resources or {})
+        if self.cfg.math_workers is not None and "math_pool" not in resources:
+            from megarl.rewards.math_pool import VerifyPool
+
+            resources["math_pool"] = VerifyPool(size=self.cfg.math_workers)
+        self._rewards: dict[str, BuiltReward] = {}
+        for key, spec in self.cfg.sources.items():
+            try:
+                self._rewards[key] = build_reward(spec.fn, self.cfg.params_for(key), resources)
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"reward.sources.{key}: {e}") from None
+        self._executor = ThreadPoolExecutor(self.cfg.max_workers, thread_name_prefix="megarl-reward")
+        self._abandoned = 0
+        self._lock = threading.Lock()
+
+    def failure_score(self, key: str | None) -> float:
+        spec = self.cfg.sources.get(key) if key is not None else None
+        if spec is not None and spec.failure_score is not None:
+            return spec.failure_score
+        if self.cfg.failure_score is not None or key is None:
+            return self.cfg.failure_score if self.cfg.failure_score is not None else self.cfg.incorrect_score
+        return self._rewards[key].failure_score
+
+    def score(self, batch: list[RewardInput]) -> tuple[list[RewardOutput], dict[str, float]]:
+        start = time.monotonic()
+        outputs: list[RewardOutput | None] = [None] * len(batch)
+        routes = [self.cfg.route(x.data_source) for x in batch]
+        failures: list[tuple[int, str, bool]] = []  # (index, reason, is_timeout)
+        jobs: dict[Future, _Job] = {}
+        by_route: dict[str, list[int]] = {}
+        for i, key in enumerate(routes):
+            if key is None:
+                failures.append((i, f"no reward route for data_source {batch[i].data_source!r}", False))
+            else:
+                by_route.setdefault(key, []).append(i)
+        for key, indices in by_route.items():
+            built, spec = self._rewards[key], self.cfg.sources[key]
+            timeout = spec.timeout_s or self.cfg.timeout_s
+            if built.batch_fn is not None:
+                job = _Job(key, indices, True, timeout)
+                jobs[self._executor.submit(self._call, job, built.batch_fn, [batch[i] for i in indices])] = job
+            else:
+                for i in indices:
+                    job = _Job(key, [i], False, timeout)
+                    jobs[self._executor.submit(self._call, job, built.sample_fn, batch[i])] = job
+        self._collect(jobs, outputs, failures)
+        for i, reason, _ in failures:
+            outputs[i] = RewardOutput(self.failure_score(routes[i]), False, {"failure": reason})
+        metrics = self._metrics(outputs, routes, failures, time.monotonic() - start)
+        self._log_failures(batch, routes, failures)
+        return outputs, metrics  # type: ignore[return-value]
+
+    @staticmethod
+    def _call(job: _Job, fn, arg):
+        job.started.append(time.monotonic())
+        return fn(arg)
+
+    def _collect(self, jobs: dict[Future, _Job], outputs, failures) -> None:
+        pending = set(jobs)
+        while pending:
+            now = time.monotonic()
+            overdue = [f for f in pending if jobs[f].started and now - jobs[f].started[0] > jobs[f].timeout_s]
+            for f in overdue:
+                pending.discard(f)
+                job = jobs[f]
+                with self._lock:
+                    self._abandoned += 1
+                logger.error("reward %r: abandoned a call running for more than %.1fs (%d so far); "
+                             "the function lacks its own time limit", job.key, job.timeout_s, self._abandoned)
+                failures.extend((i, f"manager deadline {job.timeout_s:.1f}s exceeded", True) for i in job.indices)
+            running = [jobs[f].started[0] + jobs[f].timeout_s - now for f in pending if jobs[f].started]
+            done, pending = wait(pending, timeout=max(0.01, min(running, default=0.5)),
+                                 return_when=FIRST_COMPLETED)
+            for f in done:
+                self._take(f, jobs[f], outputs, failures)
+
+    def _take(self, fut: Future, job: _Job, outputs, failures) -> None:
+        exc = fut.exception()
+        if exc is not None:
+            failures.extend((i, f"{type(exc).__name__}: {exc}", isinstance(exc, RewardTimeout))
+                            for i in job.indices)
+            return
+        results = fut.result() if job.is_batch else [fut.result()]
+        if not isinstance(results, list) or len(results) != len(job.indices):
+            failures.extend((i, "batch reward returned a wrong number of outputs", False) for i in job.indices)
+            return
+        for i, res in zip(job.indices, results):
+            if isinstance(res, Exception):
+                failures.append((i, f"{type(res).__name__}: {res}", isinstance(res, RewardTimeout)))
+            elif not isinstance(res, RewardOutput) or not math.isfinite(float(res.score)):
+                failures.append((i, f"invalid reward output {res!r}", False))
+            else:
+                outputs[i] = res
+
+    @staticmethod
+    def _metrics(outputs, routes, failures, elapsed: float) -> dict[str, float]:
+        failed = {i: timeout for i, _, timeout in failures}
+        m: dict[str, float] = {"reward/time_s": elapsed}
+        for prefix_key in (None, *sorted({r for r in routes if r is not None})):
+            prefix = "reward" if prefix_key is None else "reward/" + re.sub(r"[^\w.-]", "_", prefix_key)
+            idx = [i for i, r in enumerate(routes) if prefix_key is None or r == prefix_key]
+            m[f"{prefix}/count"] = float(len(idx))
+            m[f"{prefix}/failures"] = float(sum(i in failed for i in idx))
+            m[f"{prefix}/timeouts"] = float(sum(failed.get(i, False) for i in idx))
+            m[f"{prefix}/correct"] = float(sum(bool(outputs[i].acc) for i in idx))
+            m[f"{prefix}/score_sum"] = float(sum(outputs[i].score for i in idx))
+        return m
+
+    @staticmethod
+    def _log_failures(batch, routes, failures) -> None:
+        for i, reason, _ in failures[:_LOGGED_FAILURES_PER_CALL]:
+            logger.warning("reward failure: sample %d (data_source=%r, route=%r): %s",
+                           i, batch[i].data_source, routes[i], reason)
+        if len(failures) > _LOGGED_FAILURES_PER_CALL:
+            logger.warning("reward failures: %d in this batch (%d timeouts); first %d logged above",
+                           len(failures), sum(t for _, _, t in failures), _LOGGED_FAILURES_PER_CALL)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> "RewardManager":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,123 @@
+"""Registry of reward functions by name.
+
+A factory `(params: dict, resources: dict) -> BuiltReward` validates its params and returns
+either a per-sample function (run in the manager's thread pool) or a batch function (called
+once per score() call with all samples of its route, e.g. a GenRM that batches judge prompts).
+A batch function returns one RewardOutput or Exception per input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Callable
+
+from megarl.rewards.types import RewardError, RewardInput, RewardOutput
+
+SampleFn = Callable[[RewardInput], RewardOutput]
+BatchFn = Callable[[list[RewardInput]], list[RewardOutput | Exception]]
+
+
+@dataclass
+class BuiltReward:
+    failure_score: float  # the function's default; a spec or the config may override it
+    sample_fn: SampleFn | None = None
+    batch_fn: BatchFn | None = None
+
+
+Factory = Callable[[dict, dict], BuiltReward]
+REWARDS: dict[str, Factory] = {}
+
+
+def register_reward(name: str) -> Callable[[Factory], Factory]:
+    def deco(factory: Factory) -> Factory:
+        if name in REWARDS:
+            raise ValueError(f"reward function {name!r} is already registered")
+        REWARDS[name] = factory
+        return factory
+    return deco
+
+
+def build_reward(name: str, params: dict, resources: dict) -> BuiltReward:
+    if name not in REWARDS:
+        raise ValueError(f"unknown reward function {name!r} (registered: {sorted(REWARDS)})")
+    return REWARDS[name](dict(params), resources)
+
+
+def make_params(cls: type, params: dict, where: str):
+    """cls(**params) with an error naming the unknown / invalid field."""
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(params) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {unknown} (known: {sorted(known)})")
+    return cls(**params)
+
+
+# ------------------------------------------------------------------------ builtin rewards
+
+@register_reward("math")
+def _math(params: dict, resources: dict) -> BuiltReward:
+    from megarl.rewards.math import MathRewardParams, math_reward
+
+    p = make_params(MathRewardParams, params, "reward 'math' params")
+    pool = resources.get("math_pool")
+    return BuiltReward(failure_score=p.incorrect_score,
+                       sample_fn=lambda x: math_reward(x.response, x.gold, p, pool=pool))
+
+
+@register_reward("code")
+def _code(params: dict, resources: dict) -> BuiltReward:
+    from megarl.rewards.code import CodeRewardParams, code_reward, parse_tests
+
+    p = make_params(CodeRewardParams, params, "reward 'code' params")
+    return BuiltReward(failure_score=p.incorrect_score,
+                       sample_fn=lambda x: code_reward(x.response, parse_tests(x.extra, x.gold), p))
+
+
+def _judge(params: dict, resources: dict, name: str):
+    key = params.pop("judge", "judge")
+    if key not in resources:
+        raise ValueError(f"reward {name!r}: no judge resource {key!r} was given to RewardManager "
+                         f"(resources: {sorted(resources)})")
+    if params:
+        raise ValueError(f"reward {name!r}: unknown field(s) {sorted(params)} (known: ['judge'])")
+    return resources[key]
+
+
+def _genrm_batch(judge, require_anchor: bool) -> BatchFn:
+    def run(batch: list[RewardInput]) -> list[RewardOutput | Exception]:
+        out: list[RewardOutput | Exception | None] = [None] * len(batch)
+        pair_idx, pair_items, point_idx, point_items = [], [], [], []
+        for i, x in enumerate(batch):
+            anchor = x.reference if x.reference is not None else x.gold
+            if anchor is not None:  # the gold answer is shown to the judge beside a reference
+                pair_idx.append(i)
+                pair_items.append((x.prompt, x.response, anchor,
+                                   x.gold if x.reference is not None else None))
+            elif require_anchor:
+                out[i] = RewardError("pairwise GenRM needs an anchor (reference or gold)")
+            else:
+                point_idx.append(i)
+                point_items.append((x.prompt, x.response, None))
+        judged = [(i, r, "pairwise") for i, r in zip(pair_idx, judge.pairwise(pair_items))] \
+            if pair_items else []
+        judged += [(i, r, "pointwise") for i, r in zip(point_idx, judge.pointwise(point_items))] \
+            if point_items else []
+        for i, res, kind in judged:
+            out[i] = (RewardError(f"GenRM ({kind}): the judge gave no valid verdict") if res is None
+                      else RewardOutput(res.score, res.score > 0.5, {"kind": kind, "probs": res.probs}))
+        return out
+    return run
+
+
+@register_reward("genrm")
+def _genrm(params: dict, resources: dict) -> BuiltReward:
+    """Pairwise against the reference (or gold) when the sample has one, else pointwise."""
+    judge = _judge(params, resources, "genrm")
+    return BuiltReward(failure_score=0.5, batch_fn=_genrm_batch(judge, require_anchor=False))
+
+
+@register_reward("pairwise_genrm")
+def _pairwise_genrm(params: dict, resources: dict) -> BuiltReward:
+    """Pairwise-RL: win probability against the anchor, both orders (ALGORITHMS.md §6)."""
+    judge = _judge(params, resources, "pairwise_genrm")
+    return BuiltReward(failure_score=0.5, batch_fn=_genrm_batch(judge, require_anchor=True))

@@ -1,0 +1,100 @@
+"""Rank-local reads from HF safetensors checkpoints (single file or sharded with an index).
+
+`HFCheckpoint.read(name, dim, start, stop)` reads only rows/columns [start, stop) of one tensor
+through `safe_open(...).get_slice`, so a rank never loads tensors (or parts) it does not own.
+Every failure names the tensor and the file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file is missing, unreadable or does not match the model."""
+
+
+class HFCheckpoint:
+    """Lazy, sliced access to the tensors of an HF safetensors checkpoint directory."""
+
+    def __init__(self, hf_dir: str | Path):
+        self.dir = Path(hf_dir)
+        if not self.dir.is_dir():
+            raise CheckpointError(f"HF checkpoint directory {self.dir} does not exist")
+        self._handles: dict[Path, object] = {}
+        self.files = self._index()  # tensor name -> file path
+
+    def _index(self) -> dict[str, Path]:
+        index = self.dir / INDEX_NAME
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from e
+            files = {name: self.dir / fname for name, fname in weight_map.items()}
+            for path in sorted(set(files.values())):
+                if not path.exists():
+                    raise CheckpointError(f"{path} is listed in {index} but does not exist")
+            return files
+        single = self.dir / SINGLE_NAME
+        if not single.exists():
+            found = sorted(p.name for p in self.dir.glob("*.safetensors"))
+            if len(found) != 1:
+                raise CheckpointError(
+                    f"{self.dir}: no {SINGLE_NAME} or {INDEX_NAME} found "
+                    f"(safetensors files present: {found or 'none'}; .bin checkpoints are not read)")
+            single = self.dir / found[0]
+        return {name: single for name in self._handle(single).keys()}
+
+    def _handle(self, path: Path):
+        if path not in self._handles:
+            try:
+                self._handles[path] = safe_open(str(path), framework="pt")
+            except Exception as e:  # SafetensorError, OSError: header/IO problems
+                raise CheckpointError(f"cannot open safetensors file {path}: {e}") from e
+        return self._handles[path]
+
+    def names(self) -> set[str]:
+        return set(self.files)
+
+    def file_of(self, name: str) -> Path:
+        if name not in self.files:
+            raise CheckpointError(f"tensor {name!r} is missing from the HF checkpoint {self.dir}")
+        return self.files[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        path = self.file_of(name)
+        try:
+            return tuple(self._handle(path).get_slice(name).get_shape())
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"tensor {name!r} in {path}: cannot read its header ({e})") from e
+
+    def read(self, name: str, dim: int | None = None, start: int = 0, stop: int = 0) -> torch.Tensor:
+        """The full tensor (dim=None) or the range [start, stop) along dim 0 or 1."""
+        path = self.file_of(name)
+        try:
+            handle = self._handle(path)
+            if dim is None:
+                return handle.get_tensor(name)
+            sl = handle.get_slice(name)
+            return sl[start:stop] if dim == 0 else sl[:, start:stop]
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"tensor {name!r} in {path}: read failed ({e})") from e
+
+    def check_shape(self, name: str, expected: tuple[int, ...]) -> None:
+        actual = self.shape(name)
+        if tuple(actual) != tuple(expected):
+            raise CheckpointError(
+                f"shape mismatch for tensor {name!r} in {self.file_of(name)}: checkpoint has "
+                f"{tuple(actual)}, the model built from config.json expects {tuple(expected)}")

@@ -1,0 +1,76 @@
+"""Import HF safetensors straight into this rank's Megatron shards (any TP/PP/VPP layout).
+
+Each rank reads only the tensors of its own pipeline stage(s), and of those only its TP slice
+(`HFCheckpoint.read` slices through safetensors `get_slice`). Load before building the
+optimizer: mixed-precision / distributed optimizers copy the parameters into their main params.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from megarl.models.bridge import VALUE_HEAD_HF_NAME, expected_hf_shapes, hf_shapes, param_maps, read_shard
+from megarl.models.builder import unwrap
+from megarl.weights.hf_reader import CheckpointError, HFCheckpoint
+
+# Tensors some HF checkpoints carry that are not parameters.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _show(names: set[str], limit: int = 6) -> str:
+    shown = sorted(names)[:limit]
+    return ", ".join(shown) + (f" ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def check_checkpoint(ckpt: HFCheckpoint, spec, value_head: bool = False) -> None:
+    """Raises CheckpointError (naming tensor and file) unless the checkpoint has exactly the
+    tensors, with the shapes, that the model built from `spec` needs. Reads headers only."""
+    expected = expected_hf_shapes(spec, value_head)
+    optional = {VALUE_HEAD_HF_NAME} if value_head else set()
+    have = ckpt.names()
+    missing = set(expected) - have - optional
+    if missing:
+        raise CheckpointError(f"HF checkpoint {ckpt.dir} is missing tensors: {_show(missing)}")
+    extra = {n for n in have - set(expected) if not n.endswith(_IGNORED_SUFFIXES)}
+    if spec.tie_word_embeddings or value_head:
+        extra.discard("lm_head.weight")  # tied copy (or an actor's head when building a critic)
+    if extra:
+        files = sorted({ckpt.files[n].name for n in extra})
+        raise CheckpointError(
+            f"HF checkpoint {ckpt.dir} has tensors the {spec.model_type!r} bridge does not map "
+            f"(wrong config.json?): {_show(extra)} in {files}")
+    for name, shape in expected.items():
+        if name in have:
+            ckpt.check_shape(name, shape)
+
+
+@torch.no_grad()
+def load_hf_weights(model_chunks, hf_dir: str | Path) -> int:
+    """Copies this rank's shards from the HF checkpoint into `model_chunks`; returns bytes read."""
+    from megatron.core import parallel_state as ps
+
+    from megarl.models.value_head import ValueModel
+
+    chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    ckpt = HFCheckpoint(hf_dir)
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    models = [unwrap(c) for c in chunks]
+    spec = models[0].arch_spec
+    check_checkpoint(ckpt, spec, value_head=isinstance(models[0], ValueModel))
+    read_bytes = 0
+    for model in models:
+        for pm, param in param_maps(model, spec):
+            if pm.optional and pm.hf_names[0] not in ckpt.names():
+                continue
+            for name, shape in zip(pm.hf_names, hf_shapes(pm, tuple(param.shape), spec, tp)):
+                ckpt.check_shape(name, shape)
+            shard = read_shard(pm, ckpt, spec, tuple(param.shape), tp_rank, tp)
+            if tuple(shard.shape) != tuple(param.shape):
+                raise CheckpointError(
+                    f"{pm.hf_names} in {ckpt.file_of(pm.hf_names[0])}: shard shape {tuple(shard.shape)} "
+                    f"!= megatron parameter {pm.megatron_name} shape {tuple(param.shape)}")
+            param.data.copy_(shard)
+            read_bytes += shard.numel() * shard.element_size()
+    return read_bytes

@@ -1,0 +1,150 @@
+"""Worker (4 gloo ranks): HF <-> Megatron equivalence across TP/PP layouts, in one launch.
+
+Sections (results keyed in the JSON that rank 0 writes):
+- logits[family][layout]: max |Megatron logits - HF logits| (fp32);
+- roundtrip[family][layout]: HF -> Megatron -> stream -> HF compared with torch.equal on every
+  rank (all ranks receive the stream), bucket count;
+- ckpt[family]: torch_dist saved at TP=2,PP=1, loaded at TP=1,PP=2: logits diff and exactness;
+- optim: one Adam step at TP=1 and TP=2 on the same global batch; updated HF tensors compared.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+from megarl.models import build_model, megatron_forward_logits
+from megarl.parallel.distributed import ParallelSizes, init_distributed
+from megarl.weights import (
+    load_checkpoint_hf_config, load_hf_weights, load_megatron_checkpoint, read_checkpoint_meta,
+    save_megatron_checkpoint, stream_hf_weights)
+from megarl.weights.dist_ckpt import padded_vocab_for
+from tests.distributed.scripts_models_common import FAMILIES, hf_logits, make_tiny_hf, tiny_config
+
+LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
+SEQ, BATCH = 12, 2
+
+
+def roundtrip(model, cfg, original: dict) -> dict:
+    got, buckets = {}, 0
+    for bucket in stream_hf_weights(model, cfg, bucket_bytes=16 << 10):
+        buckets += 1
+        for name, t in bucket:
+            got[name] = t.clone()
+    same_keys = set(got) == set(original)
+    exact = same_keys and all(torch.equal(got[k], original[k]) for k in original)
+    ok = torch.tensor([int(exact)])
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank received the full stream
+    return {"exact_all_ranks": bool(ok.item()), "keys": len(got), "buckets": buckets}
+
+
+def optimizer_step(hf_dir: Path, cfg, batch: torch.Tensor) -> dict:
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import (
+        DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads)
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megarl.models.forward import causal_mask
+
+    chunks = build_model(cfg)
+    load_hf_weights(chunks, hf_dir)
+    config = chunks[0].config
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=True),
+                                  chunks[0])
+    config.finalize_model_grads_func = finalize_model_grads
+    # adam_eps 1e-4: Adam's first step is lr * g / (|g| + eps), which for |g| ~ 1e-8 (the
+    # default eps) turns fp32 reduction-order noise in g into O(lr) differences.
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, adam_eps=1e-4, clip_grad=1.0,
+                                                 use_distributed_optimizer=True), [ddp])
+    local = batch.chunk(ps.get_data_parallel_world_size())[ps.get_data_parallel_rank()]
+    mask, pos = causal_mask(SEQ), torch.arange(SEQ)[None].expand(local.shape[0], SEQ)
+
+    def step(it, model):
+        ids = next(it)
+        out = model(ids[:, :-1], pos[:, :-1], mask[..., :-1, :-1], labels=ids[:, 1:])
+        return out, lambda o: (o.mean(), {"loss": o.mean().detach()})
+
+    ddp.train()
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    get_forward_backward_func()(forward_step_func=step, data_iterator=iter([local]), model=[ddp],
+                                num_microbatches=1, seq_length=SEQ - 1, micro_batch_size=local.shape[0])
+    ok, grad_norm, _ = opt.step()
+    tensors = {n: t.clone() for b in stream_hf_weights([ddp], cfg) for n, t in b}
+    return {"tensors": tensors, "grad_norm": float(grad_norm), "ok": bool(ok)}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--work", required=True)
+    args = p.parse_args()
+    work = Path(args.work)
+    init_distributed(ParallelSizes(1, 1), seed=3)
+    rank = dist.get_rank()
+    if rank == 0:
+        for i, fam in enumerate(FAMILIES):
+            make_tiny_hf(fam, work / fam, seed=i)
+    dist.barrier()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 130, (BATCH, SEQ), generator=gen)
+    refs = {fam: hf_logits(work / fam, ids) for fam in FAMILIES}
+    originals = {fam: load_file(work / fam / "model.safetensors") for fam in FAMILIES}
+    res = {"logits": {f: {} for f in FAMILIES}, "roundtrip": {f: {} for f in FAMILIES}, "ckpt": {}}
+
+    for tp, pp in LAYOUTS:
+        init_distributed(ParallelSizes(tp=tp, pp=pp), seed=3)
+        layout = f"tp{tp}_pp{pp}"
+        for fam in FAMILIES:
+            cfg = tiny_config(fam)
+            model = build_model(cfg)
+            load_hf_weights(model, work / fam)
+            out = megatron_forward_logits(model, ids)
+            res["logits"][fam][layout] = {
+                "max_abs_diff": float((out - refs[fam]).abs().max()), "shape": list(out.shape),
+                "ref_std": float(refs[fam].std())}
+            res["roundtrip"][fam][layout] = roundtrip(model, cfg, originals[fam])
+            if (tp, pp) == (2, 1) and fam in ("qwen2", "llama_tied"):
+                save_megatron_checkpoint(model, work / f"ckpt_{fam}", cfg, hf_source_dir=work / fam)
+                res["ckpt"][fam] = {"saved_logits_diff": float((out - refs[fam]).abs().max())}
+                torch.save(out, work / f"ckpt_{fam}_logits.pt") if rank == 0 else None
+
+    init_distributed(ParallelSizes(tp=1, pp=2), seed=3)
+    for fam in ("qwen2", "llama_tied"):
+        ckpt = work / f"ckpt_{fam}"
+        cfg = load_checkpoint_hf_config(ckpt)
+        meta = read_checkpoint_meta(ckpt)
+        model = build_model(cfg, padded_vocab=padded_vocab_for(meta, 1))
+        load_megatron_checkpoint(model, ckpt)
+        out = megatron_forward_logits(model, ids)
+        saved = torch.load(work / f"ckpt_{fam}_logits.pt", weights_only=True) if rank == 0 else out
+        res["ckpt"][fam].update(
+            loaded_vs_saved=float((out - saved).abs().max()),
+            loaded_vs_hf=float((out - refs[fam]).abs().max()),
+            roundtrip=roundtrip(model, cfg, originals[fam]), meta=meta)
+
+    batch = torch.randint(0, 150, (4, SEQ), generator=gen)
+    cfg = tiny_config("qwen2")
+    steps = {}
+    for tp in (1, 2):
+        init_distributed(ParallelSizes(tp=tp, pp=1), seed=3)
+        steps[tp] = optimizer_step(work / "qwen2", cfg, batch)
+    a, b, orig = steps[1]["tensors"], steps[2]["tensors"], originals["qwen2"]
+    res["optim"] = {
+        "keys_equal": set(a) == set(b) == set(orig),
+        "max_update_diff": max(float((a[k] - b[k]).abs().max()) for k in a),
+        "min_update_size": min(float((a[k] - orig[k]).abs().max()) for k in a),
+        "grad_norms": [steps[1]["grad_norm"], steps[2]["grad_norm"]],
+        "ok": [steps[1]["ok"], steps[2]["ok"]],
+    }
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(res))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""tools/plan.py: the memory model against first principles, and every shipped layout fits."""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+
+from megarl.config import load_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONFIGS = os.path.join(REPO, "configs")
+
+
+def _load_plan():
+    spec = importlib.util.spec_from_file_location("megarl_tools_plan", os.path.join(REPO, "tools", "plan.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+plan = _load_plan()
+GIB = 1024**3
+
+
+def hf_json(name: str) -> dict:
+    with open(os.path.join(CONFIGS, "models", f"{name}.json")) as f:
+        return json.load(f)
+
+
+QWEN32 = plan.Arch.from_hf(hf_json("qwen2.5-32b"))
+QWEN7 = plan.Arch.from_hf(hf_json("qwen2.5-7b"))
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_param_count_matches_hf_model(tie):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    hf = dict(hidden_size=96, intermediate_size=256, num_attention_heads=6, num_key_value_heads=2,
+              num_hidden_layers=3, vocab_size=1000, tie_word_embeddings=tie, model_type="qwen2")
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.Qwen2Config(**hf))
+    expected = sum(p.numel() for p in model.parameters())  # tied weights are counted once
+    assert plan.Arch.from_hf(hf).total_params() == expected
+
+
+def test_qwen_sizes():
+    # Qwen2ForCausalLM built from these config.json files on the meta device has exactly these counts
+    assert QWEN7.total_params() == 7_615_616_512
+    assert QWEN32.total_params() == 32_763_876_352
+
+
+def test_stage_params_shard_by_tp_and_pp():
+    a = QWEN32
+    h, v, L = a.hidden, a.vocab, a.layers
+    per_layer = a.layer_params()
+    # TP=8: matrices and biases split 8 ways, the two RMSNorm weights (2h) replicated,
+    # embedding and LM head vocab-parallel, final norm replicated
+    assert a.stage_params(8, 1) == L * ((per_layer - 2 * h) // 8 + 2 * h) + 2 * v * h // 8 + h
+    # PP=2: the first stage holds the embedding, the last the final norm + LM head; same size here
+    first = L // 2 * ((per_layer - 2 * h) // 8 + 2 * h) + v * h // 8
+    assert a.stage_params(8, 2) == first + h
+    # a critic swaps the LM head (V x h) for a scalar value head (h + 1)
+    assert a.stage_params(8, 1, value_head=True) == a.stage_params(8, 1) - v * h // 8 + h + 1
+
+
+def test_weights_are_two_bytes_per_param_and_adam_twelve_over_dp():
+    cfg = load_config(None, ["model.name=qwen2.5-32b", "parallel.tp=1", "parallel.nodes=1", "parallel.gpus_per_node=8"])
+    (actor,) = plan.model_states(QWEN32, cfg, world=8)
+    assert actor.weights == 2 * 32_763_876_352           # bf16 weights of the whole 32B model
+    assert actor.grads == 2 * 32_763_876_352
+    assert actor.optimizer == 12 * 32_763_876_352 / 8    # fp32 master + m + v, sharded over DP=8
+
+    cfg = load_config(None, ["parallel.tp=8", "parallel.cp=2", "parallel.nodes=16"])
+    (actor,) = plan.model_states(QWEN32, cfg, world=128)
+    n = QWEN32.stage_params(8, 1)
+    assert actor.weights == 2 * n
+    assert actor.optimizer == 12 * n / 16                # DP=8 x CP=2: the optimizer shards over both
+
+    cfg = load_config(None, ["parallel.tp=8", "actor.use_distributed_optimizer=false"])
+    (actor,) = plan.model_states(QWEN32, cfg, world=128)
+    assert actor.optimizer == 12 * n                      # replicated without the distributed optimizer
+
+    ref_cfg = load_config(None, ["parallel.tp=8", "algorithm.kl_coef=0.001", "critic.enable=true"])
+    roles = {s.role: s for s in plan.model_states(QWEN32, ref_cfg, world=128)}
+    assert set(roles) == {"actor", "critic", "reference"}
+    assert roles["reference"].weights == 2 * n and roles["reference"].optimizer == 0
+
+
+# ----------------------------------------------------------------------------- activations
+
+
+GPT_LIKE = plan.Arch(hidden=768, layers=4, heads=12, kv_heads=12, head_dim=64, ffn=2048,  # 6f = 16h
+                     vocab=1000, tie_embeddings=False, qkv_bias=False, qk_norm=False)
+
+
+def korthikanti_per_layer(s: int, h: int, a: int, t: int, sp: bool, selective: bool) -> float:
+    """Korthikanti et al. 2022, Table 2 (bytes per layer, micro-batch b = 1), dropout masks included."""
+    if selective:
+        return s * h * 34 / t if sp else s * h * (10 + 24 / t)
+    return s * h * (34 / t + 5 * a * s / (h * t)) if sp else s * h * (10 + 24 / t + 5 * a * s / (h * t))
+
+
+@pytest.mark.parametrize("tp, sp, recompute", [(1, False, None), (4, False, None), (4, True, None), (4, True, "selective"), (2, False, "selective")])
+def test_activation_formula_reduces_to_korthikanti(tp, sp, recompute):
+    s = 1024
+    cfg = load_config(None, [f"parallel.tp={tp}", f"model.sequence_parallel={str(sp).lower()}",
+                             "model.transformer_impl=local", "model.attention_backend=local",
+                             f"model.recompute={recompute or 'null'}", "data.max_prompt_len=24",
+                             "rollout.max_new_tokens=1000", f"actor.max_tokens_per_microbatch={s}"])
+    got = plan.activation_bytes_per_token_layer(GPT_LIKE, cfg, seq_len=s) * s
+    h = GPT_LIKE.hidden
+    masks = 2 * s * h / (tp if sp else 1)  # Qwen has dropout 0: the planner drops the two dropout masks
+    assert got == pytest.approx(korthikanti_per_layer(s, h, GPT_LIKE.heads, tp, sp, recompute == "selective") - masks)
+
+
+def test_full_recompute_keeps_layer_inputs_plus_one_layer():
+    cfg = load_config(None, ["model.name=qwen2.5-32b", "parallel.tp=8", "model.sequence_parallel=true",
+                             "model.recompute=full", "actor.max_tokens_per_microbatch=32768"])
+    acts = plan.activation_bytes(QWEN32, cfg, "actor")
+    s, h = 32768, QWEN32.hidden
+    one_layer = s * plan.activation_bytes_per_token_layer(QWEN32, cfg, seq_len=22528)
+    assert acts["layers"] == pytest.approx(64 * s * 2 * h / 8 + one_layer)
+    assert acts["logits"] == s * QWEN32.vocab / 8 * 10
+    assert plan.activation_bytes(QWEN32, cfg, "critic")["logits"] == 0
+
+
+def test_kv_cache_bytes_per_token():
+    assert QWEN32.kv_bytes_per_token(1) == 2 * 64 * 8 * 128 * 2    # 256 KiB per token unsharded
+    assert QWEN32.kv_bytes_per_token(8) == 2 * 64 * 1 * 128 * 2
+    assert QWEN7.kv_bytes_per_token(8) == 2 * 28 * 1 * 128 * 2     # 4 KV heads replicated over 8 ranks
+
+
+def test_train_flops_formula():
+    cfg = load_config(os.path.join(CONFIGS, "recipes", "qwen2.5-32b", "dapo.yaml"))
+    t = plan.step_time(cfg, QWEN32, plan.GPUS["h100"], 128, kv_tokens=1e6, avg_prompt_len=200,
+                       avg_response_len=1800, mfu=0.5, decode_eff=0.6, gen_rounds=1)
+    tokens = 512 * 16 * 2000
+    per_token_fwd = 2 * 32_763_876_352 + 4 * 64 * 40 * 128 * 1000   # 2N + causal attention at mean context 1000
+    passes = 1 + 4  # old log-probs + training (full recompute in the 16-node layout: 4 passes)
+    assert t["train_tokens"] == tokens
+    assert t["train_flops"] == pytest.approx(per_token_fwd * tokens * passes)
+    assert t["train_s"] == pytest.approx(t["train_flops"] / (128 * 989e12 * 0.5))
+
+
+# ----------------------------------------------------------------------------- shipped layouts
+
+
+LAYOUTS = sorted(glob.glob(os.path.join(CONFIGS, "layouts", "*", "*node.yaml")))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda p: os.path.relpath(p, CONFIGS))
+@pytest.mark.parametrize("gpu", ["h100", "h200"])
+def test_every_shipped_layout_fits_every_recipe_of_its_model(layout, gpu):
+    model = os.path.basename(os.path.dirname(layout))
+    recipes = sorted(glob.glob(os.path.join(CONFIGS, "recipes", model, "*.yaml")))
+    assert recipes
+    for recipe in recipes:
+        cfg = load_config([recipe, layout])
+        arch, hf, _ = plan.load_arch(cfg)
+        pl = plan.plan(cfg, arch, hf, plan.GPUS[gpu])
+        assert pl.fits, f"{recipe} + {layout} on {gpu}: {pl.problems}"
+        assert max(pl.rollout_peak, pl.train_peak) <= pl.gpu.mem_bytes
+
+
+def test_layout_set():
+    names = {os.path.relpath(p, os.path.join(CONFIGS, "layouts")) for p in LAYOUTS}
+    assert {f"qwen2.5-7b/{n}node.yaml" for n in (1, 2, 4, 8, 16, 32, 64)} <= names
+    assert {f"qwen2.5-32b/{n}node.yaml" for n in (2, 4, 8, 16, 32, 64)} <= names
+
+
+def test_planner_reports_what_does_not_fit():
+    recipe = os.path.join(CONFIGS, "recipes", "qwen2.5-32b", "vapo.yaml")
+    # one node, no recompute, no offload: optimizer + activations overflow 80 GB
+    cfg = load_config(recipe, ["parallel.nodes=1", "model.recompute=null"])
+    pl = plan.plan(cfg, QWEN32, hf_json("qwen2.5-32b"), plan.GPUS["h100"])
+    assert not pl.fits and any(p.startswith("train phase needs") for p in pl.problems)
+    # the engine's share too small for one 22.5K-token sequence next to the weights
+    cfg = load_config(recipe, ["rollout.mem_fraction=0.1", "parallel.rollout_tp=1"])
+    pl = plan.plan(cfg, QWEN32, hf_json("qwen2.5-32b"), plan.GPUS["h100"])
+    assert any("KV cache" in p for p in pl.problems)
+    # a layout whose heads do not divide by TP is reported, not crashed on
+    cfg = load_config(recipe, ["parallel.tp=3", "parallel.nodes=3"])
+    pl = plan.plan(cfg, QWEN32, hf_json("qwen2.5-32b"), plan.GPUS["h100"])
+    assert any("not divisible by tp=3" in p for p in pl.problems)
+
+
+def test_cli(capsys):
+    ok = plan.main(["--recipe", os.path.join(CONFIGS, "recipes", "qwen2.5-32b", "dapo.yaml"),
+                    "--layout", os.path.join(CONFIGS, "layouts", "qwen2.5-32b", "16node.yaml"), "--nodes", "16"])
+    out = capsys.readouterr().out
+    assert ok == 0 and "FITS" in out and "dp=16" in out and "rollout phase peak" in out
+    bad = plan.main(["--recipe", os.path.join(CONFIGS, "recipes", "qwen2.5-32b", "dapo.yaml"), "--nodes", "1",
+                     "model.recompute=null", "actor.offload_optimizer=false"])
+    assert bad == 1 and "DOES NOT FIT" in capsys.readouterr().out

@@ -1,0 +1,174 @@
+"""SGLang engine: the pure logic (request dicts, output parsing, buckets, gathering) on CPU.
+
+SGLang itself cannot run here; `megarl/rollout/sglang_engine.py` is verified only on GPU
+clusters. `run_segment` is exercised with the builtin engine producing SGLang-format outputs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pickle
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from megarl.rollout import BuiltinEngine, SamplingParams, make_engine
+from megarl.rollout.sglang_utils import (
+    GenerateCall, broadcast_from_owner, first_call, gather_to_owner, map_finish_reason,
+    needs_weight_update_session, parse_output, plan_buckets, rebucket, run_segment,
+    sampling_dict, second_call, version_tuple, with_last_flag)
+from megarl.rollout.sampling import TokenSampler
+
+
+def test_sampling_dict():
+    sp = SamplingParams(temperature=0.7, top_p=0.9, top_k=-1, stop=["</s>"], stop_token_ids=[5],
+                        seed=3)
+    assert sampling_dict(TokenSampler(0.7, -1, 0.9), sp, 12) == {
+        "max_new_tokens": 12, "temperature": 0.7, "top_p": 0.9, "top_k": -1, "n": 1,
+        "skip_special_tokens": True, "stop": ["</s>"], "stop_token_ids": [5], "sampling_seed": 3}
+    plain = sampling_dict(TokenSampler(0.0, 0, 1.0), SamplingParams(), 4)
+    assert plain["top_k"] == -1 and plain["temperature"] == 0.0
+    assert "stop" not in plain and "stop_token_ids" not in plain and "sampling_seed" not in plain
+
+
+def test_fire_is_two_calls_with_fire_params_set_last():
+    sp = SamplingParams(temperature=0.6, top_p=0.95, max_new_tokens=20, fire=True,
+                        fire_temperature=30.0, fire_top_k=16)
+    call = first_call([[1, 2], [3]], [20, 20], sp, fire=True)
+    assert call.input_ids == [[1, 2], [3]]
+    for d in call.sampling_params:
+        assert (d["max_new_tokens"], d["temperature"], d["top_k"], d["top_p"]) == (1, 30.0, 16, 0.95)
+    rest = second_call([[1, 2], [3]], [7, 8], [19, 19], sp)
+    assert rest.input_ids == [[1, 2, 7], [3, 8]]
+    for d in rest.sampling_params:
+        assert (d["max_new_tokens"], d["temperature"], d["top_k"]) == (19, 0.6, -1)
+    topk = first_call([[1]], [5], SamplingParams(top_k=4, fire=True), fire=True)
+    assert topk.sampling_params[0]["top_k"] == 4 and topk.sampling_params[0]["temperature"] == 30.0
+    no_fire = first_call([[1], [2]], [5, 3], sp, fire=False)  # continuation: no FIRE
+    assert [d["max_new_tokens"] for d in no_fire.sampling_params] == [5, 3]
+    assert all(d["temperature"] == 0.6 for d in no_fire.sampling_params)
+
+
+def test_finish_reason_and_output_parsing():
+    assert map_finish_reason({"type": "stop", "matched": 151643}, False) == "stop"
+    assert map_finish_reason({"type": "stop", "matched": "</answer>"}, True) == "stop"
+    assert map_finish_reason({"type": "length", "length": 8}, False) == "length"
+    assert map_finish_reason({"type": "length", "length": 8}, True) == "truncated"
+    with pytest.raises(RuntimeError, match="aborted the request: out of memory"):
+        map_finish_reason({"type": "abort", "message": "out of memory"}, False)
+    with pytest.raises(ValueError, match="did not finish"):
+        map_finish_reason(None, False)
+    with pytest.raises(ValueError, match="unknown type 'weird'"):
+        map_finish_reason({"type": "weird"}, False)
+    output = {"text": "ab", "output_ids": [11, 12],
+              "meta_info": {"finish_reason": {"type": "stop", "matched": 12},
+                            "output_token_logprobs": [(-0.5, 11, None), [-1.25, 12, "b"]]}}
+    assert parse_output(output, False) == ([11, 12], [-0.5, -1.25], "stop")
+    with pytest.raises(ValueError, match="return_logprob=True"):
+        parse_output({"meta_info": {"finish_reason": {"type": "length"}}}, False)
+    output["output_ids"] = [11]
+    with pytest.raises(ValueError, match="1 output_ids but 2 output_token_logprobs"):
+        parse_output(output, False)
+
+
+def test_plan_buckets_by_bytes():
+    sizes = [("a", 40), ("b", 30), ("c", 50), ("d", 200), ("e", 10), ("f", 90)]
+    assert plan_buckets(sizes, 100) == [["a", "b"], ["c"], ["d"], ["e", "f"]]
+    assert plan_buckets(sizes, 1000) == [["a", "b", "c", "d", "e", "f"]]
+    assert plan_buckets([], 10) == []
+    with pytest.raises(ValueError, match="bucket size must be > 0"):
+        plan_buckets(sizes, 0)
+
+
+def test_rebucket_splits_by_bytes_and_dtype():
+    stream = [[("w1", torch.zeros(10)), ("h1", torch.zeros(10, dtype=torch.bfloat16)),
+               ("w2", torch.zeros(20)), ("w3", torch.zeros(5))],
+              [("w4", torch.zeros(100))]]
+    out = list(rebucket(iter(stream), max_bytes=100))
+    names = [[n for n, _ in b] for b in out]
+    assert names == [["w1"], ["w2", "w3"], ["h1"], ["w4"]]  # 40+80 > 100, 80+20 = 100; w4: 400 B
+    assert all(len({t.dtype for _, t in b}) == 1 for b in out)
+
+
+def test_with_last_flag_and_versions():
+    assert list(with_last_flag([])) == []
+    assert list(with_last_flag(["a"])) == [("a", True)]
+    assert list(with_last_flag(iter("abc"))) == [("a", False), ("b", False), ("c", True)]
+    assert version_tuple("0.5.23.post1") == (0, 5, 23) and version_tuple("0.5.21rc1") == (0, 5, 21)
+    assert not needs_weight_update_session("0.5.20") and needs_weight_update_session("0.5.21")
+    assert needs_weight_update_session("0.6.0")
+    with pytest.raises(ValueError, match="cannot parse"):
+        version_tuple("dev")
+
+
+def _gather_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    group = dist.new_group(list(range(world)), backend="gloo")
+    gathered = gather_to_owner(f"payload-{rank}".encode(), group)
+    samples = broadcast_from_owner({"from": rank} if rank == 0 else None, group)
+    with open(f"{out_dir}/rank{rank}.pkl", "wb") as f:
+        pickle.dump((gathered, samples), f)
+    dist.destroy_process_group()
+
+
+def test_gather_and_broadcast_over_gloo(tmp_path):
+    world = 3  # fork: the children need no re-import of this module
+    mp.start_processes(_gather_worker, args=(world, str(tmp_path / "init"), str(tmp_path)),
+                       nprocs=world, start_method="fork")
+    results = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(world)]
+    assert results[0][0] == [b"payload-0", b"payload-1", b"payload-2"]  # ordered by group rank
+    assert results[1][0] is None and results[2][0] is None
+    assert all(r[1] == {"from": 0} for r in results)
+    assert gather_to_owner("x", None) == ["x"] and broadcast_from_owner(5, None) == 5
+
+
+def _sglang_format(sample) -> dict:
+    finish = ({"type": "stop", "matched": sample.response_ids[-1]} if sample.finish_reason == "stop"
+              else {"type": "length", "length": len(sample.response_ids)})
+    return {"output_ids": sample.response_ids,
+            "meta_info": {"finish_reason": finish, "output_token_logprobs": [
+                (lp, t, None) for lp, t in zip(sample.logprobs, sample.response_ids)]}}
+
+
+def test_run_segment_fire_with_builtin_backend(tmp_path):
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         initializer_range=0.1, eos_token_id=None)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    engine = BuiltinEngine.from_pretrained(tmp_path)
+    calls: list[GenerateCall] = []
+
+    def call(c: GenerateCall) -> list[dict]:
+        calls.append(c)
+        outs = []
+        for ids, d in zip(c.input_ids, c.sampling_params):
+            sp = SamplingParams(temperature=d["temperature"], top_k=d["top_k"], top_p=d["top_p"],
+                                max_new_tokens=d["max_new_tokens"], seed=d.get("sampling_seed"))
+            outs.append(_sglang_format(engine.generate([ids], sp)[0]))
+        return outs
+
+    contexts = [[1, 2, 3], [4, 5], [6]]
+    sp = SamplingParams(temperature=0, max_new_tokens=9, window=6, fire=True, seed=1)
+    segments = run_segment(call, contexts, [6, 6, 1], [True, True, False], sp, fire=True)
+    assert len(calls) == 2
+    assert [d["max_new_tokens"] for d in calls[0].sampling_params] == [1, 1, 1]
+    assert calls[1].input_ids == [contexts[0] + segments[0][0][:1], contexts[1] + segments[1][0][:1]]
+    for ctx, (ids, logprobs, reason) in zip(contexts[:2], segments[:2]):
+        assert len(ids) == len(logprobs) == 6 and reason == "truncated"
+        greedy = engine.generate([ctx + ids[:1]], SamplingParams(temperature=0, max_new_tokens=5))
+        assert ids[1:] == greedy[0].response_ids
+    assert len(segments[2][0]) == 1 and segments[2][2] == "length"  # budget 1: FIRE call only
+
+
+def test_make_engine_registry():
+    with pytest.raises(ValueError, match="unknown engine 'vllm'"):
+        make_engine("vllm")
+    with pytest.raises(ValueError, match="pass model_path"):
+        make_engine("builtin")
+    if importlib.util.find_spec("sglang") is None:
+        with pytest.raises(ImportError, match="rollout.engine=sglang needs the `sglang` package"):
+            make_engine("sglang", model_path="unused")
