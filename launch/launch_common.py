@@ -11,7 +11,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from megarl.config import ConfigError, MegaRLConfig, load_config, validate_world  # noqa: E402
+from megarl.config import ConfigError, MegaRLConfig, compose, from_dict, load_config, validate_world  # noqa: E402,F401
 
 TRAIN_MODULE = "megarl.cli"
 

@@ -28,7 +28,8 @@ from launch_common import (  # noqa: E402
     add_common_arguments,
     check_config,
     fail,
-    load_config,
+    compose,
+    from_dict,
     parse_env,
     train_args,
 )
@@ -52,7 +53,7 @@ def torchrun_executable(explicit: str | None) -> str:
 def build_command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
     """(argv, extra environment) of the local run, after validating the config for this world."""
     files = [args.recipe, *args.layout]
-    cfg = load_config(files, args.overrides)
+    cfg = from_dict(*compose(files, args.overrides), validate=False)  # sizes only; validated below
     nproc = args.nproc or cfg.parallel.gpus_per_node
     overrides = list(args.overrides)
     if cfg.parallel.nodes != 1:

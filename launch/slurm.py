@@ -35,7 +35,8 @@ from launch_common import (  # noqa: E402
     check_config,
     fail,
     git_is_dirty,
-    load_config,
+    compose,
+    from_dict,
     parse_env,
     train_args,
 )
@@ -75,7 +76,7 @@ def resolve(args: argparse.Namespace) -> tuple[list[str], int, int]:
     """Validated (overrides for the job, nodes, gpus per node). The node count given on the command
     line wins over the layout's and is passed on as parallel.nodes so the job sees the same config."""
     files = [args.recipe, *args.layout]
-    cfg = load_config(files, args.overrides)
+    cfg = from_dict(*compose(files, args.overrides), validate=False)  # sizes only; validated below
     overrides = list(args.overrides)
     nodes = args.nodes or cfg.parallel.nodes
     gpus = args.gpus_per_node or cfg.parallel.gpus_per_node
@@ -83,7 +84,10 @@ def resolve(args: argparse.Namespace) -> tuple[list[str], int, int]:
         overrides.append(f"parallel.nodes={nodes}")
     if gpus != cfg.parallel.gpus_per_node:
         overrides.append(f"parallel.gpus_per_node={gpus}")
-    check_config(files, overrides, nodes * gpus)
+    final = check_config(files, overrides, nodes * gpus)
+    if not os.path.isabs(final.trainer.run_dir):
+        print(f"warning: trainer.run_dir={final.trainer.run_dir} is relative to the job's packaged code directory; "
+              "set it to a mounted shared path so a new submission can resume", file=sys.stderr)
     return overrides, nodes, gpus
 
 

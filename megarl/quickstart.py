@@ -87,11 +87,10 @@ def worker(argv: list[str]) -> None:
 
     # 2. HF -> Megatron (torch_dist at this TP/PP), 3. SFT warm start
     from megarl.trainer.sft import sft
-    from megarl.weights.convert import hf_to_megatron
 
     mcore_dir = run / "megatron_init"
-    if not (mcore_dir / "metadata.json").exists():
-        hf_to_megatron(str(model_dir), str(mcore_dir))
+    if not (mcore_dir / "megarl_model.json").exists():
+        _hf_to_megatron(model_dir, mcore_dir, cfg.model.dtype)
     cfg.model.load = str(mcore_dir)
     t_sft = time.perf_counter()
     sft_out = sft(cfg, save_to=str(run / "sft_actor"))
@@ -113,6 +112,19 @@ def worker(argv: list[str]) -> None:
         print(f"quickstart: accuracy_before={before:.4f} accuracy_after={after:.4f} "
               f"wall_s={wall:.1f} run_dir={run}", flush=True)
     destroy_distributed()
+
+
+def _hf_to_megatron(hf_dir: Path, out: Path, dtype: str) -> None:
+    """The conversion tool's hf-to-megatron step, in-process at the current TP/PP."""
+    from transformers import AutoConfig
+
+    from megarl.models import build_model
+    from megarl.weights import load_hf_weights, save_megatron_checkpoint
+
+    hf_config = AutoConfig.from_pretrained(hf_dir)
+    model = build_model(hf_config, dtype=dtype)
+    load_hf_weights(model, hf_dir)
+    save_megatron_checkpoint(model, out, hf_config, hf_source_dir=hf_dir)
 
 
 def _print_table(cfg, sft_out, before, after, t_sft, t_rl, wall) -> None:

@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         s.add_argument("--pp", type=int, default=1)
         s.add_argument("--dtype", default="auto" if s is not c else "float32",
                        help="float32 | bfloat16 | float16 | auto (config.json's torch_dtype)")
-        s.add_argument("--impl", default="local", choices=["local", "te"])
+        s.add_argument("--impl", default="local", choices=["local", "te", "transformer_engine"])
     return p.parse_args(argv)
 
 
@@ -174,12 +174,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_torchrun(nproc: int, argv: list[str]) -> int:
+def launch_torchrun(nproc: int, argv: list[str], script: str | Path = __file__) -> int:
+    """Runs `script argv` on nproc local ranks with torchrun; returns its exit status."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), __file__, *argv]
+           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(script), *argv]
     return subprocess.run(cmd, env=env).returncode
 
 

@@ -67,7 +67,8 @@ def _seq_mean_token_sum(loss_mat, m, global_tokens=None, global_seqs=None, max_l
 def _seq_mean_token_sum_norm(loss_mat, m, global_tokens=None, global_seqs=None, max_len=None):
     """Dr. GRPO: sum_{i,t} m*l / L_const, L_const = max_len (the max response length) or T.
 
-    Additive over micro-batches as it stands (no count to globalise)."""
+    Additive over micro-batches as long as L_const is the same constant for all of them: pass
+    max_len (the configured max response length) when micro-batches are padded differently."""
     L = loss_mat.shape[-1] if max_len is None else max_len
     _check_count("max_len", L)
     return _msum(loss_mat, m) / L
@@ -86,7 +87,8 @@ def agg_loss(
     - token-mean:              sum(m*l) / global_tokens (default: local sum(m))
     - seq-mean-token-mean:     sum_i(sum_t m*l / sum_t m) / global_seqs (default: local non-empty rows)
     - seq-mean-token-sum:      sum(m*l) / global_seqs
-    - seq-mean-token-sum-norm: sum(m*l) / max_len (Dr. GRPO; default max_len = T)
+    - seq-mean-token-sum-norm: sum(m*l) / max_len (Dr. GRPO; default max_len = T; pass the configured
+      max response length under micro-batching)
 
     mask is 0/1 (bool or numeric). Half-precision losses are reduced in float32.
     """
@@ -99,20 +101,30 @@ def agg_loss(
 
 
 def _count(cond: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
-    return (cond & mb).sum()
+    """Number of masked-in tokens where cond holds (cond is a fresh bool tensor, modified in place)."""
+    return cond.logical_and_(mb).sum()
+
+
+def _masked_minmax(x: torch.Tensor, mb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(min, max) of x over masked-in tokens in one pass: masked-out entries are replaced by one
+    masked-in value, which changes neither. Meaningless (but finite) when no token is masked in."""
+    first = mb.reshape(-1).view(torch.uint8).argmax()
+    filled = torch.where(mb, x, x.reshape(-1)[first])
+    return torch.aminmax(filled)
 
 
 def _ratio_metrics(ratio, log_ratio, mb, m, count, n) -> dict[str, torch.Tensor]:
     one = torch.ones((), dtype=ratio.dtype, device=ratio.device)
     has = count > 0
     s_ratio, s_log = _msum(ratio, m), _msum(log_ratio, m)
+    lo, hi = _masked_minmax(log_ratio, mb)
     return {
         # KL(pi_old || pi_theta) estimated on samples from pi_old, x = logp - logp_old:
         "approx_kl": (s_ratio - s_log - count) / n,  # k3: mean(e^x - 1 - x) (>= 0, low variance)
         "approx_kl_k1": -s_log / n,  # k1: mean(-x)
         "ratio_mean": s_ratio / n,
-        "ratio_max": torch.where(has, ratio.masked_fill(~mb, float("-inf")).max(), one),
-        "ratio_min": torch.where(has, ratio.masked_fill(~mb, float("inf")).min(), one),
+        "ratio_max": torch.where(has, hi.exp(), one),
+        "ratio_min": torch.where(has, lo.exp(), one),
     }
 
 
@@ -173,11 +185,12 @@ def policy_loss(
         m = mask.to(log_probs.dtype)
         count = mb.sum()
         n = count.clamp(min=1).to(log_probs.dtype)
-        ratio, log_ratio, pos, neg = ratio.detach(), log_ratio.detach(), neg_adv < 0, neg_adv > 0
-        high = _count((ratio > 1.0 + clip_high) & pos, mb) / n
-        low = _count((ratio < 1.0 - clip_low) & neg, mb) / n
+        ratio, log_ratio = ratio.detach(), log_ratio.detach()
+        pos, neg = (neg_adv < 0).logical_and_(mb), (neg_adv > 0).logical_and_(mb)  # A > 0, A < 0 (masked-in)
+        high = _count(ratio > 1.0 + clip_high, pos) / n
+        low = _count(ratio < 1.0 - clip_low, neg) / n
         metrics = {"clipfrac_high": high, "clipfrac_low": low, "clipfrac": high + low}
-        dual = _count((ratio > clip_c) & neg, mb) / n if clip_c is not None else torch.zeros_like(high)
+        dual = _count(ratio > clip_c, neg) / n if clip_c is not None else torch.zeros_like(high)
         metrics["dual_clip_frac"] = dual
         metrics.update(_ratio_metrics(ratio, log_ratio, mb, m, count, n))
         metrics["n_tokens"] = count.to(log_probs.dtype)

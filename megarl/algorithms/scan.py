@@ -2,22 +2,24 @@
 
 `reverse_linear_scan(x, a)` computes, for every row independently,
 
-    y_t = x_t + a_t * y_{t+1},   y_T = 0,   t = T-1 .. 0
+    y_t = x_t + a_t * y_{t+1},   y_T = init (default 0),   t = T-1 .. 0
 
 which is the backward recursion of GAE (x = delta, a = gamma*lam*m + (1-m)) and of discounted
 returns. A closed form through cumulative products (y_t = sum_k prod_{j=t}^{k-1} a_j x_k) divides by
 prod_{j<t} a_j, which underflows for long T (0.95**20480 ~ 1e-456) and is undefined when some
 a_j = 0, so it is not used. Instead a two-level chunked scan:
 
-1. split T into n chunks of C ~ sqrt(T) steps; run the recursion inside all chunks at once with zero
-   carry-in (a loop of C steps over [B, n] tensors);
+1. split T into n chunks of C ~ sqrt(T) steps, laid out as a [C, B*n] matrix (one 2-D transpose
+   copy); run the recursion inside all chunks at once with zero carry-in (a loop of C steps, each
+   over one contiguous row of B*n values);
 2. run the recursion over chunk boundaries (a loop of n steps over [B] vectors):
    y_start(c) = local_start(c) + P_c * y_start(c+1), P_c = prod of a over chunk c;
 3. fix up: y_t = local_t + (prod_{j=t}^{end of chunk} a_j) * y_start(next chunk).
 
 Only suffix products inside one chunk are formed (no division), so nothing can underflow in a way
 that matters: a product below the float range is, correctly, ~0. Python loops: C + n ~ 2*sqrt(T)
-steps on whole-batch tensors, instead of T. No gradient flows through the scan (it is used for
+steps on whole-batch tensors, instead of T (tools/bench_algorithms.py compares it with the loop
+over T). No gradient flows through the scan (it is used for
 advantage/return targets only).
 """
 

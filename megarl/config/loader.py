@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import os
 import re
 import types
@@ -46,17 +47,26 @@ class ConfigError(ValueError):
 # ----------------------------------------------------------------------------- composition
 
 
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when available: same safe subset
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_yaml(path: str, mtime_ns: int, size: int) -> Any:
+    with open(path, encoding="utf-8") as f:
+        return yaml.load(f, Loader=_YAML_LOADER)  # noqa: S506 - a safe loader
+
+
 def _read_yaml(path: str) -> dict[str, Any]:
+    st = os.stat(path)
     try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+        data = _parse_yaml(os.path.realpath(path), st.st_mtime_ns, st.st_size)
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: invalid YAML: {e}") from e
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
-    return data
+    return _copy(data)
 
 
 def _merge(dst: dict, src: dict, prov: dict[str, str], source: str, prefix: str = "") -> None:
@@ -210,7 +220,7 @@ class _Converter:
         if not isinstance(data, dict):
             self.error(path or "<top>", f"expected a mapping of {cls.__name__} fields, got {_show(data)}")
             return cls()
-        hints = typing.get_type_hints(cls)
+        hints = _type_hints(cls)
         fields = {f.name: f for f in dataclasses.fields(cls)}
         kwargs = {}
         for key, value in data.items():
@@ -289,6 +299,11 @@ class _Converter:
         if tp is type(None):
             return value is None, value, f"got {_show(value)}"
         raise TypeError(f"{path}: unsupported config type {tp!r}")
+
+
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
 
 
 def _shape_matches(value: Any, tp: Any) -> bool:

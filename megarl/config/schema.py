@@ -183,7 +183,7 @@ class TrainerConfig:
     keep_last: int | None = doc_field(3, "checkpoints to keep; null = keep all")
     eval_interval: int = doc_field(50, "evaluate every N steps (0 = never)")
     log_interval: int = doc_field(1, "log metrics every N steps")
-    resume: bool = doc_field(False, "resume from the latest checkpoint in run_dir")
+    resume: bool = doc_field(False, "resume from the latest checkpoint in run_dir (a fresh start when there is none)")
     tensorboard: bool = doc_field(True, "write TensorBoard event files under run_dir/tb")
     val_before_train: bool = doc_field(False, "evaluate once before the first step")
 

@@ -38,6 +38,11 @@ def validate_config(cfg: MegaRLConfig, where: Callable[[str], str] | None = None
 
     for name in ("tp", "pp", "cp", "ep", "rollout_tp", "nodes", "gpus_per_node"):
         e.check(getattr(p, name) >= 1, f"parallel.{name}", f"must be >= 1, got {getattr(p, name)}")
+    declared, mp = p.nodes * p.gpus_per_node, p.tp * p.pp * p.cp
+    e.check(declared % mp == 0, "parallel.tp",
+            f"tp*pp*cp = {p.tp}*{p.pp}*{p.cp} = {mp} does not divide the world parallel.nodes*parallel.gpus_per_node = {declared}")
+    e.check(declared % p.rollout_tp == 0, "parallel.rollout_tp",
+            f"{p.rollout_tp} does not divide the world parallel.nodes*parallel.gpus_per_node = {declared}")
     e.check(p.vpp is None or (p.vpp >= 1 and p.pp > 1), "parallel.vpp", f"needs parallel.pp > 1 and vpp >= 1 (pp={p.pp}, vpp={p.vpp})")
     e.check(p.etp is None or p.etp >= 1, "parallel.etp", f"must be >= 1 or null, got {p.etp}")
     e.check(not m.sequence_parallel or p.tp > 1, "model.sequence_parallel", "needs parallel.tp > 1")

@@ -2,8 +2,8 @@
 
 TP/PP sizes and pre/post-process flags come from `megatron.core.parallel_state`, so call
 `megarl.parallel.distributed.init_distributed` first. Two layer implementations:
-"local" (megatron's own modules; CPU and GPU) and "te" (Transformer Engine; GPU only,
-verified only on GPU).
+"local" (megatron's own modules; CPU and GPU) and "te" = "transformer_engine" (Transformer
+Engine; GPU only, verified only on GPU).
 
 Vocabulary padding: the embedding and output layer hold `padded_vocab_size(V, tp, d)` rows
 (a multiple of `d * tp`, d=128 like Megatron-LM). The padded rows are zero after an HF import,
@@ -50,7 +50,7 @@ def te_available() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
-def transformer_config(spec: ArchSpec, *, dtype: torch.dtype = torch.float32, impl: str = "local",
+def transformer_config(spec: ArchSpec, *, dtype: torch.dtype = torch.float32,
                        overrides: dict | None = None):
     """The megatron TransformerConfig for `spec` at the current parallel_state sizes.
 
@@ -83,6 +83,7 @@ def transformer_config(spec: ArchSpec, *, dtype: torch.dtype = torch.float32, im
         tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
         virtual_pipeline_model_parallel_size=ps.get_virtual_pipeline_model_parallel_world_size(),
+        context_parallel_size=ps.get_context_parallel_world_size(),
         use_cpu_initialization=not on_gpu,
         # RL batches vary in length; allgather MoE dispatch rejects variable lengths
         variable_seq_lengths=True,
@@ -90,7 +91,7 @@ def transformer_config(spec: ArchSpec, *, dtype: torch.dtype = torch.float32, im
         gradient_accumulation_fusion=False,
         masked_softmax_fusion=False,
         bias_dropout_fusion=False,
-        bias_activation_fusion=on_gpu and impl == "te",
+        bias_activation_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
     )
@@ -99,15 +100,16 @@ def transformer_config(spec: ArchSpec, *, dtype: torch.dtype = torch.float32, im
 
 
 def layer_spec(spec: ArchSpec, impl: str = "local"):
-    """Layer spec: Transformer Engine ("te", fused norms in linear_qkv/linear_fc1) or "local"."""
+    """Layer spec: Transformer Engine ("te" / "transformer_engine": fused norms in linear_qkv /
+    linear_fc1; verified only on GPU) or "local"."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if impl == "te":
+    if impl in ("te", "transformer_engine"):
         if not te_available():
             raise RuntimeError("impl='te' needs Transformer Engine (not importable here); use impl='local'")
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_layernorm)
     if impl != "local":
-        raise ValueError(f"impl must be 'local' or 'te', got {impl!r}")
+        raise ValueError(f"impl must be 'local', 'te' or 'transformer_engine', got {impl!r}")
     return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_layernorm)
 
 
@@ -154,7 +156,7 @@ def build_model(hf_config: Any, *, dtype: torch.dtype | str = torch.float32, imp
     if vocab % tp or vocab < spec.vocab_size:
         raise ValueError(f"padded vocab size {vocab} must be >= {spec.vocab_size} and divisible by tp={tp}")
     tied = spec.tie_word_embeddings and not value_head
-    config = transformer_config(spec, dtype=dtype, impl=impl, overrides=config_overrides)
+    config = transformer_config(spec, dtype=dtype, overrides=config_overrides)
     lspec = layer_spec(spec, impl)
     inv_freq = hf_inv_freq(hf_config, spec.head_dim)
     vp_size = ps.get_virtual_pipeline_model_parallel_world_size()

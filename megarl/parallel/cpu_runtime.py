@@ -15,6 +15,14 @@ megatron-core 0.16.1 assumes CUDA in a handful of places (see shared/reference/m
    optimizers and gradient clipping check those names before wrapping parameters or scaling
    grads, and with it megatron's own clipping path (local multi-tensor fallbacks) runs on CPU.
 
+6. Without TE / apex, megatron's distributed optimizer wraps torch's Adam, whose per-param
+   state carries a 'step' that megatron 0.16.1's checkpoint code does not expect: its
+   `state_dict()` asserts one step value (false on a never-stepped optimizer, e.g. before a
+   resume), and the param-state loaders copy every state key from the checkpoint ('step' is
+   not saved there; megatron restores it separately, as ONE tensor shared by all params, which
+   torch Adam then increments once per param). The patches give a fresh optimizer zero state,
+   leave 'step' out of the param-state copy and give every param its own step tensor.
+
 The runtime never activates when `torch.cuda.is_available()`; `activate()` raises instead.
 """
 
@@ -135,10 +143,47 @@ def _patch_torch_cuda() -> None:
 
 
 def _patch_megatron() -> None:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.tensor_parallel import random as mp_random
 
     mp_random._get_cuda_rng_state = _cpu_get_rng_state
     mp_random._set_cuda_rng_state = _cpu_set_rng_state
+
+    state_dict = DistributedOptimizer.state_dict
+    set_states = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def state_dict_with_adam_state(self):
+        _materialize_adam_state(self.optimizer)
+        return state_dict(self)
+
+    def set_states_without_step(self, model_param, tensors):
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        state = self.optimizer.state[main_param]
+        step = state.pop("step", None) if "step" not in tensors else None
+        try:
+            set_states(self, model_param, tensors)
+        finally:
+            if step is not None:
+                # megatron restores one shared 'step' tensor for all params; torch Adam
+                # increments it in place per param, so each param needs its own copy
+                state["step"] = step.clone()
+
+    DistributedOptimizer.state_dict = state_dict_with_adam_state
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states_without_step
+
+
+def _materialize_adam_state(opt) -> None:
+    """Zero moments and step 0 for torch Adam params that have no state yet."""
+    if not isinstance(opt, torch.optim.Adam | torch.optim.AdamW):
+        return
+    for group in opt.param_groups:
+        for p in group["params"]:
+            st = opt.state[p]
+            if "step" not in st:
+                st["step"] = torch.tensor(0.0)
+                st.setdefault("exp_avg", torch.zeros_like(p.data))
+                st.setdefault("exp_avg_sq", torch.zeros_like(p.data))
 
 
 def activate() -> None:

@@ -8,10 +8,12 @@ when the caller has threads), uses the standard library only, and never imports 
 Modes (spec["mode"]):
 - "namespace": a child unshares user+mount+net+pid+ipc+uts namespaces; the launcher writes
   its uid/gid maps (inner uid -> spec["uid"] when the caller is root, else the caller's own
-  uid). pid 1 of the new pid namespace builds a new root on a tmpfs (read-only binds of the
-  interpreter and system libraries, the work dir read-write, tmpfs /tmp, a few /dev nodes, no
-  /proc, no /etc beyond ld.so.cache), pivot_roots into it, and forks the program as pid 2,
-  which switches to the inner uid (losing all capabilities at exec) under rlimits + seccomp.
+  uid). pid 1 of the new pid namespace builds a new read-only root from an empty skeleton
+  directory (read-only binds of the interpreter and system libraries, size-limited tmpfs work
+  dir and /tmp, /dev/{null,zero,random,urandom}, no /proc, no /etc beyond ld.so.cache),
+  pivot_roots into it, and forks the program as pid 2, which switches to the inner uid, copies
+  the input files into the work dir, and execs the program (losing all capabilities) under
+  rlimits + seccomp.
 - "rlimit": the fallback: drop to spec["uid"] if given, rlimits + seccomp, exec in the work
   dir. No filesystem isolation.
 - "kill": drop to spec["uid"] and SIGKILL every process of that uid (fallback cleanup).
@@ -198,8 +200,27 @@ def _make_skeleton(spec: dict) -> None:
     os.makedirs(root + "/dev", mode=0o755)
     for node in _DEV_NODES:
         open(f"{root}/dev/{node}", "w").close()
-    for d in ("/tmp", spec["cwd"], "/.old"):
+    for d in ("/tmp", spec["cwd"], "/.input", "/.old"):
         os.makedirs(root + d, mode=0o755)
+
+
+def _copy_tree(src: str, dst: str) -> None:
+    for name in os.listdir(src):
+        s, d = os.path.join(src, name), os.path.join(dst, name)
+        if os.path.isdir(s) and not os.path.islink(s):
+            os.mkdir(d, 0o755)
+            _copy_tree(s, d)
+        elif os.path.isfile(s) and not os.path.islink(s):
+            with open(s, "rb") as fin, open(d, "wb") as fout:
+                fout.write(fin.read())
+
+
+def _restrict(target: str, extra: int) -> None:
+    """Remounts a bind mount nosuid, nodev (+ extra). Flags the source mount already has
+    (noexec, atime mode) are kept: inside a user namespace they are locked and clearing one
+    fails with EPERM."""
+    keep = os.statvfs(target).f_flag & (MS_NOEXEC | MS_NOATIME | MS_NODIRATIME | MS_RELATIME)
+    _mount(None, target, None, MS_BIND | MS_REMOUNT | MS_NOSUID | MS_NODEV | keep | extra)
 
 
 def _build_root(spec: dict) -> None:
@@ -207,17 +228,19 @@ def _build_root(spec: dict) -> None:
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
     _mount(root, root, None, MS_BIND)  # pivot_root needs the new root to be a mount point
     for path in spec["ro_binds"]:
-        target = root + path
-        _mount(path, target, None, MS_BIND | MS_REC)
-        keep = os.statvfs(target).f_flag & (MS_NOEXEC | MS_NOATIME | MS_NODIRATIME | MS_RELATIME)
-        _mount(None, target, None,
-               MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | keep)
+        _mount(path, root + path, None, MS_BIND | MS_REC)
+        _restrict(root + path, MS_RDONLY)
     for node in _DEV_NODES:
         _mount(f"/dev/{node}", f"{root}/dev/{node}", None, MS_BIND)
-    _mount("tmpfs", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
-           f"size={spec['tmpfs_mb']}m,mode=1777")
-    _mount(spec["workdir"], root + spec["cwd"], None, MS_BIND)
-    _mount(None, root + spec["cwd"], None, MS_BIND | MS_REMOUNT | MS_NOSUID | MS_NODEV)
+    # The work dir and /tmp are size-limited tmpfs (a full disk is not the program's to cause);
+    # the host work dir is bound read-only at /.input, and pid 2 copies it in (as the inner
+    # uid: pid 1's uid is unmapped and cannot create files on a tmpfs mounted here).
+    size, inner = f"size={spec['tmpfs_mb']}m,nr_inodes=4096", spec["inner_uid"]
+    _mount("tmpfs", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"{size},mode=1777")
+    _mount("tmpfs", root + spec["cwd"], "tmpfs", MS_NOSUID | MS_NODEV,
+           f"{size},mode=0700,uid={inner},gid={inner}")
+    _mount(spec["workdir"], root + "/.input", None, MS_BIND)
+    _restrict(root + "/.input", MS_RDONLY)
     _check(_libc.syscall(155 if os.uname().machine == "x86_64" else 41,
                          root.encode(), (root + "/.old").encode()), "pivot_root")
     os.chdir("/")
@@ -226,7 +249,7 @@ def _build_root(spec: dict) -> None:
         os.rmdir("/.old")
     except OSError:
         pass
-    _mount(None, "/", None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    _restrict("/", MS_RDONLY)
     _libc.sethostname(b"sandbox", 7)
 
 
@@ -276,7 +299,12 @@ def _run_namespace(spec: dict) -> None:
         inner = spec["inner_uid"]
         os.setresgid(inner, inner, inner)
         os.setresuid(inner, inner, inner)  # non-zero uid: exec drops every capability
-        _exec_untrusted(spec, nproc_base=1, allow_unix_socket=True)
+        _copy_tree("/.input", spec["cwd"])
+        _check(_libc.umount2(b"/.input", MNT_DETACH), "umount /.input")
+        # RLIMIT_NPROC counts the uid's tasks in this namespace: pid 1 shares the program's
+        # uid unless a root caller mapped the program to a private uid.
+        base = 0 if spec.get("uid") is not None else 1
+        _exec_untrusted(spec, nproc_base=base, allow_unix_socket=True)
     while True:  # reap orphans until the program itself exits; its exit ends the namespace
         pid, status = os.waitpid(-1, 0)
         if pid == child:
@@ -284,9 +312,17 @@ def _run_namespace(spec: dict) -> None:
             os._exit(0)
 
 
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL this process when the caller dies (a killed trainer leaves no sandbox behind)."""
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        _fail("the caller exited")
+
+
 def _run_rlimit(spec: dict) -> None:
     uid = spec.get("uid")
     _drop_privileges(uid)
+    _die_with_parent(spec["parent"])  # a uid change cleared the parent-death signal
     base = 0 if uid is not None else _uid_task_count(os.getuid())
     _exec_untrusted(spec, nproc_base=base, allow_unix_socket=False)
 
@@ -303,6 +339,8 @@ def _kill_uid(spec: dict) -> None:
 def main() -> None:
     try:
         spec = json.loads(sys.argv[1])
+        if "parent" in spec:
+            _die_with_parent(spec["parent"])
         {"namespace": _run_namespace, "rlimit": _run_rlimit, "kill": _kill_uid}[spec["mode"]](spec)
     except SystemExit:
         raise

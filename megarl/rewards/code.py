@@ -72,7 +72,8 @@ def parse_tests(extra: dict, gold: str | None) -> list[dict]:
         if fn:
             return [{"assert": f"assert __megarl_call({fn!r}, {list(args)!r}) == {out!r}"}
                     for args, out in zip(raw["inputs"], raw["outputs"])]
-        return [{"stdin": _as_text(i), "stdout": _as_text(o)} for i, o in zip(raw["inputs"], raw["outputs"])]
+        return [{"stdin": _as_text(i), "stdout": _as_text(o)}
+                for i, o in zip(raw["inputs"], raw["outputs"])]
     if not isinstance(raw, list) or not raw:
         raise RewardError("code sample has no test cases")
     cases = []

@@ -48,7 +48,8 @@ Decide which response is better: correct, helpful and well reasoned. Neither the
 length of the responses should influence you. End with "Verdict: [[A]]" if Response A is better \
 or "Verdict: [[B]]" if Response B is better."""
 
-DEFAULT_POINTWISE_TEMPLATE = """You are a strict grader. Judge whether the response correctly and helpfully answers the request.
+DEFAULT_POINTWISE_TEMPLATE = """You are a strict grader. Judge whether the response correctly and \
+helpfully answers the request.
 {gold_block}
 [Request]
 {prompt}
@@ -118,8 +119,12 @@ def pairwise_score(p_policy_first: float, p_anchor_first: float) -> float:
 
 
 def two_label_prob(logp_first: float, logp_second: float) -> float:
-    """exp(l₁) / (exp(l₁) + exp(l₂)), computed stably."""
-    return 1.0 / (1.0 + math.exp(logp_second - logp_first))
+    """exp(l₁) / (exp(l₁) + exp(l₂)) = sigmoid(l₁ − l₂), computed without overflow."""
+    d = logp_first - logp_second
+    if d >= 0:
+        return 1.0 / (1.0 + math.exp(-d))
+    e = math.exp(d)
+    return e / (1.0 + e)
 
 
 def render(template: str, **fields: str) -> str:

@@ -57,19 +57,25 @@ class RewardManager:
             except (ValueError, TypeError) as e:
                 raise ValueError(f"reward.sources.{key}: {e}") from None
         self._executor = ThreadPoolExecutor(self.cfg.max_workers, thread_name_prefix="megarl-reward")
-        self._abandoned = 0
+        self._hung = 0  # abandoned calls whose threads are still running
         self._lock = threading.Lock()
 
     def failure_score(self, key: str | None) -> float:
         spec = self.cfg.sources.get(key) if key is not None else None
         if spec is not None and spec.failure_score is not None:
             return spec.failure_score
-        if self.cfg.failure_score is not None or key is None:
-            return self.cfg.failure_score if self.cfg.failure_score is not None else self.cfg.incorrect_score
-        return self._rewards[key].failure_score
+        if self.cfg.failure_score is not None:
+            return self.cfg.failure_score
+        return self.cfg.incorrect_score if key is None else self._rewards[key].failure_score
 
     def score(self, batch: list[RewardInput]) -> tuple[list[RewardOutput], dict[str, float]]:
         start = time.monotonic()
+        if self._hung >= self.cfg.max_workers:  # every thread is stuck in an abandoned call
+            logger.error("reward: all %d worker threads are stuck in abandoned calls; starting a "
+                         "fresh thread pool (the stuck threads leak)", self.cfg.max_workers)
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = ThreadPoolExecutor(self.cfg.max_workers, thread_name_prefix="megarl-reward")
+            self._hung = 0
         outputs: list[RewardOutput | None] = [None] * len(batch)
         routes = [self.cfg.route(x.data_source) for x in batch]
         failures: list[tuple[int, str, bool]] = []  # (index, reason, is_timeout)
@@ -85,7 +91,8 @@ class RewardManager:
             timeout = spec.timeout_s or self.cfg.timeout_s
             if built.batch_fn is not None:
                 job = _Job(key, indices, True, timeout)
-                jobs[self._executor.submit(self._call, job, built.batch_fn, [batch[i] for i in indices])] = job
+                items = [batch[i] for i in indices]
+                jobs[self._executor.submit(self._call, job, built.batch_fn, items)] = job
             else:
                 for i in indices:
                     job = _Job(key, [i], False, timeout)
@@ -103,23 +110,36 @@ class RewardManager:
         return fn(arg)
 
     def _collect(self, jobs: dict[Future, _Job], outputs, failures) -> None:
+        """Waits for the jobs. A running job past its deadline is abandoned; jobs still queued
+        when even a full pass over the queue would be late (threads stuck in abandoned calls)
+        are cancelled. Both count as timeouts."""
         pending = set(jobs)
+        longest = max((j.timeout_s for j in jobs.values()), default=0.0)
+        waves = -(-len(jobs) // self.cfg.max_workers)
+        give_up = time.monotonic() + longest * (waves + 1)
         while pending:
             now = time.monotonic()
-            overdue = [f for f in pending if jobs[f].started and now - jobs[f].started[0] > jobs[f].timeout_s]
-            for f in overdue:
+            for f in [f for f in pending if not f.done() and (now > give_up or (
+                    jobs[f].started and now - jobs[f].started[0] > jobs[f].timeout_s))]:
                 pending.discard(f)
                 job = jobs[f]
-                with self._lock:
-                    self._abandoned += 1
-                logger.error("reward %r: abandoned a call running for more than %.1fs (%d so far); "
-                             "the function lacks its own time limit", job.key, job.timeout_s, self._abandoned)
-                failures.extend((i, f"manager deadline {job.timeout_s:.1f}s exceeded", True) for i in job.indices)
-            running = [jobs[f].started[0] + jobs[f].timeout_s - now for f in pending if jobs[f].started]
-            done, pending = wait(pending, timeout=max(0.01, min(running, default=0.5)),
-                                 return_when=FIRST_COMPLETED)
+                if not f.cancel():
+                    with self._lock:
+                        self._hung += 1
+                    f.add_done_callback(self._unhang)
+                    logger.error("reward %r: abandoned a call running for more than %.1fs; the "
+                                 "function lacks its own time limit", job.key, job.timeout_s)
+                failures.extend((i, f"manager deadline {job.timeout_s:.1f}s exceeded", True)
+                                for i in job.indices)
+            deadlines = [jobs[f].started[0] + jobs[f].timeout_s for f in pending if jobs[f].started]
+            timeout = min([*deadlines, give_up, now + 0.5]) - now
+            done, pending = wait(pending, timeout=max(0.01, timeout), return_when=FIRST_COMPLETED)
             for f in done:
                 self._take(f, jobs[f], outputs, failures)
+
+    def _unhang(self, _fut: Future) -> None:
+        with self._lock:
+            self._hung = max(0, self._hung - 1)
 
     def _take(self, fut: Future, job: _Job, outputs, failures) -> None:
         exc = fut.exception()
@@ -129,7 +149,8 @@ class RewardManager:
             return
         results = fut.result() if job.is_batch else [fut.result()]
         if not isinstance(results, list) or len(results) != len(job.indices):
-            failures.extend((i, "batch reward returned a wrong number of outputs", False) for i in job.indices)
+            failures.extend((i, "batch reward returned a wrong number of outputs", False)
+                            for i in job.indices)
             return
         for i, res in zip(job.indices, results):
             if isinstance(res, Exception):

@@ -76,7 +76,7 @@ def math_reward(response: str, gold: str | None, params: MathRewardParams,
     """`correct_score` / `incorrect_score`, with `acc` for dynamic sampling. Raises
     RewardTimeout / RewardError (the reward manager scores those as failures)."""
     if gold is None:
-        raise RewardError("math sample has no gold answer (reference is None)")
+        raise RewardError("math sample has no gold answer (gold is None)")
     verdict = check(response, gold, timeout_s=params.timeout_s, pool=pool)
     score = params.correct_score if verdict.correct else params.incorrect_score
     return RewardOutput(score=score, acc=verdict.correct,

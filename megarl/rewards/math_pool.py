@@ -111,7 +111,7 @@ class VerifyPool:
             if worker is None:
                 worker = _Worker(self.memory_mb)
                 worker.start_ready()
-            soft = max(1, int(timeout_s / 2))
+            soft = max(1, int(timeout_s) - 1)  # math-verify's alarm, a second before the kill
             request = json.dumps({"gold": gold, "pred": pred, "timeout": soft}) + "\n"
             deadline = time.monotonic() + timeout_s
             try:

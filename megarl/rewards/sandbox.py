@@ -9,9 +9,9 @@ Isolation (probed once per process, `isolation()`):
 - "namespace": Linux user + mount + net + pid + ipc + uts namespaces, set up by the launcher
   `_sandbox_exec.py` with unshare(2)/pivot_root(2) (needs only that the kernel allows user
   namespaces; no setuid helper, nothing to install). The program sees a read-only root with
-  the interpreter and system libraries, its own work dir (also HOME and cwd) and a small tmpfs
-  /tmp; no /proc, no project or user files, no network interfaces. When the caller is root,
-  the launcher first drops to a per-run unprivileged uid.
+  the interpreter and system libraries, its own work dir (also HOME and cwd) and /tmp, both
+  size-limited tmpfs (`tmpfs_mb` each, so no disk can fill up); no /proc, no project or user files, no network interfaces, no capabilities. When the
+  caller is root, the program runs as a per-run unprivileged host uid (61000 + slot).
 - "rlimit": fallback when namespaces are refused (e.g. a container without user namespaces):
   rlimits + seccomp (which still blocks socket() and other syscalls) + a fresh work dir, but
   the host filesystem stays readable. A warning is logged once.
@@ -71,7 +71,7 @@ class Limits:
     nproc: int = 32
     fsize_mb: int = 16
     nofile: int = 64
-    tmpfs_mb: int = 32
+    tmpfs_mb: int = 32  # size of the work dir and of /tmp (namespace mode)
     max_output_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
@@ -108,7 +108,8 @@ _fallback_drop: bool | None = None
 
 
 class SandboxUnavailable(RuntimeError):
-    """No acceptable isolation: the fallback would have to run untrusted code as root."""
+    """The sandbox cannot run code: its launcher failed, or the fallback would have to run
+    untrusted code as root."""
 
 
 def _fallback_can_drop() -> bool:
@@ -150,7 +151,7 @@ def _spec(mode: str, base: Path, limits: Limits, uid: int | None) -> dict:
     cwd = _INSIDE_WORKDIR if inside else str(base / "work")
     binds, links = _ro_binds()
     return {
-        "mode": mode, "uid": uid, "inner_uid": _INNER_UID,
+        "mode": mode, "uid": uid, "inner_uid": _INNER_UID, "parent": os.getpid(),
         "workdir": str(base / "work"), "rootdir": str(base / "root"), "cwd": cwd,
         "ro_binds": binds, "symlinks": links,
         "argv": [_PYTHON, "-I", "-B", "-X", "utf8", "main.py"],
@@ -249,7 +250,7 @@ def _run(code: str, stdin: str, limits: Limits, mode: str,
         (work / "main.py").write_text(code, encoding="utf-8")
         for name, content in (files or {}).items():
             if os.path.isabs(name) or ".." in Path(name).parts:
-                raise ValueError(f"sandbox: file name must be relative and inside the work dir: {name!r}")
+                raise ValueError(f"sandbox: file names must be relative, inside the work dir: {name!r}")
             (work / name).parent.mkdir(parents=True, exist_ok=True)
             (work / name).write_text(content, encoding="utf-8")
         stdin_path = base / "stdin"
@@ -279,12 +280,11 @@ def _run(code: str, stdin: str, limits: Limits, mode: str,
             if mode == "rlimit" and uid is not None:
                 _kill_uid(uid)
         elapsed = time.monotonic() - start
+    if proc.returncode == _LAUNCHER_FAILED and err.startswith("[sandbox-launcher]"):
+        raise SandboxUnavailable(f"sandbox ({mode}) could not start the program: {err.strip()[:500]}")
     result_status = _classify(status, rusage, spec["cpu_s"], err, timed_out, overflow)
     if overflow:
         err += f"\n[sandbox] output limit of {limits.max_output_bytes} bytes exceeded"
-    if status is not None and os.WIFEXITED(status) and os.WEXITSTATUS(status) == _LAUNCHER_FAILED:
-        if "[sandbox-launcher]" in err:
-            logger.error("sandbox launcher failed: %s", err.strip()[-500:])
     return Result(result_status, out, err, elapsed, proc.returncode, mode)
 
 
@@ -307,11 +307,14 @@ def isolation() -> str:
                 raise ValueError(f"MEGARL_SANDBOX_ISOLATION must be namespace or rlimit, got {forced!r}")
             reason = "forced by MEGARL_SANDBOX_ISOLATION"
             if forced != "rlimit":
-                probe = _run("print('sandbox-probe-ok')", "", Limits(timeout_s=20), "namespace")
-                if probe.status == "ok" and probe.stdout.strip() == "sandbox-probe-ok":
-                    _isolation = "namespace"
-                    return _isolation
-                reason = f"namespace probe failed: {probe.status} {probe.stderr.strip()[-300:]}"
+                try:
+                    probe = _run("print('sandbox-probe-ok')", "", Limits(timeout_s=20), "namespace")
+                    if probe.status == "ok" and probe.stdout.strip() == "sandbox-probe-ok":
+                        _isolation = "namespace"
+                        return _isolation
+                    reason = f"namespace probe: {probe.status} {probe.stderr.strip()[-300:]}"
+                except SandboxUnavailable as e:
+                    reason = str(e)
             logger.warning(
                 "megarl sandbox: Linux namespaces unavailable (%s); falling back to rlimits + "
                 "seccomp only. Untrusted code can READ the host filesystem.", reason)

@@ -14,14 +14,19 @@ it was sampled from (temperature, top-k, top-p applied and renormalised; FIRE's 
 the FIRE distribution). Greedy (temperature 0) reports the unmodified log-softmax (temperature 1).
 
 Finish reasons: "stop" (an EOS id from config.json, generation_config.json or the tokenizer, a
-stop token id, or a stop string; the token that completes it is kept in `response_ids` and `text`), "length"
-(`max_new_tokens` or the context length reached), "truncated" (T-PPO `window` reached first;
-`continue_samples` resumes it under the current weights, re-prefilling prompt + response).
+stop token id, or a stop string; the token that completes it is kept in `response_ids` and
+`text`), "length" (`max_new_tokens` or the context length reached), "truncated" (T-PPO `window`
+reached first; `continue_samples` resumes it under the current weights, re-prefilling prompt +
+response).
+
+Seeds: `seed` seeds a torch.Generator created for the call (the global RNG is not touched); the
+draws depend on the batch, so a sample is reproducible for the same call, not across batchings.
 
 Memory. The KV cache lives only for the duration of a generate call. `release_memory()` moves the
 weights to CPU on GPU (`discard_weights=True` frees them instead; then `update_weights` must run
 after `resume_memory()` before the next generate). On CPU, `release_memory()` keeps the weights
-in place unless `discard_weights=True`.
+in place unless `discard_weights=True`. Between release and resume, generate and update_weights
+raise RuntimeError.
 """
 
 from __future__ import annotations

@@ -3,7 +3,11 @@
 Layout: one SGLang engine per rollout TP group. The ranks whose GPUs the engine uses form a gloo
 `group` (group rank i sits on the GPU of SGLang TP rank i, i.e. on `base_gpu_id + i`); group
 rank 0 owns the `sglang.Engine` (its TokenizerManager runs in that process, the schedulers in
-SGLang's own subprocesses). All methods are collective over `group`.
+SGLang's own subprocesses). All methods are collective over `group`; an error on the owner is
+raised on every rank. Every rank must see all GPUs of its node (torchrun default; each rank
+selects its device with `torch.cuda.set_device(local_rank)`), because the owner's SGLang places
+TP rank i on GPU `base_gpu_id + i` (default base: the owner's current device). SGLang forces the
+`spawn` start method in the owner process, so the training script needs a `__main__` guard.
 
 - generate / continue_samples: the owner sends the requests (its own arguments are used), every
   rank of the group gets the same samples back.
@@ -26,7 +30,6 @@ matched by SGLang on each call's own output text; `seed` is passed as SGLang's `
 from __future__ import annotations
 
 import collections
-import logging
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -36,12 +39,9 @@ import torch.distributed as dist
 from megarl.rollout.checkpoint import has_tokenizer, read_config
 from megarl.rollout.sampling import segment_budget
 from megarl.rollout.sglang_utils import (
-    GenerateCall, broadcast_from_owner, gather_to_owner, needs_weight_update_session, rebucket,
+    GenerateCall, gather_to_owner, needs_weight_update_session, rebucket, run_on_owner,
     run_segment, with_last_flag)
 from megarl.rollout.types import Sample, SamplingParams
-
-logger = logging.getLogger(__name__)
-
 
 def _import_sglang():
     try:
@@ -78,67 +78,73 @@ class SGLangEngine:
                                or config.get("max_position_embeddings") or 0) or None
         self.vocab_size = int(config["vocab_size"])
         self.weights_valid = load_format != "dummy"
+        self.weight_version = 0
         self.tokenizer = None
         self._engine = None
-        if self.is_owner:
-            if base_gpu_id is None:
-                base_gpu_id = torch.cuda.current_device()
+
+        def start() -> None:  # owner only; every rank waits for it (and sees its error)
+            gpu = torch.cuda.current_device() if base_gpu_id is None else base_gpu_id
             self._engine = sglang.Engine(
                 model_path=self.model_path, tp_size=self.tp_size, dtype=dtype,
-                mem_fraction_static=mem_fraction_static, base_gpu_id=base_gpu_id,
+                mem_fraction_static=mem_fraction_static, base_gpu_id=gpu,
                 random_seed=random_seed, load_format=load_format, enable_memory_saver=True,
                 enable_weights_cpu_backup=enable_weights_cpu_backup, **server_kwargs)
             if has_tokenizer(self.model_path):
                 from transformers import AutoTokenizer
                 self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self._barrier()
+
+        run_on_owner(start, group)
 
     # ------------------------------------------------------------------ generation
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Sample]:
-        samples = None
-        if self.is_owner:
-            self._check(sampling)
-            prompts = [self._check_ids(p, f"prompt {i}") for i, p in enumerate(prompts)]
-            rows = [(i, p) for i, p in enumerate(prompts) for _ in range(sampling.n)]
-            budgets = [segment_budget(len(p), 0, sampling, self._context()) for _, p in rows]
-            for i, p in enumerate(prompts):
-                if len(p) >= self._context():
-                    raise ValueError(f"prompt {i} has {len(p)} tokens; the engine context is "
-                                     f"{self._context()} tokens")
-            segments = self._segments([p for _, p in rows], budgets, sampling, fire=True)
-            samples = [Sample(prompt_ids=list(p), response_ids=ids, logprobs=lps,
-                              finish_reason=reason, text=self._decode(ids), index=i)
-                       for (i, p), (ids, lps, reason) in zip(rows, segments)]
-        return broadcast_from_owner(samples, self.group)
+        return run_on_owner(lambda: self._generate(prompts, sampling), self.group)
 
     def continue_samples(self, samples: Sequence[Sample], sampling: SamplingParams) -> list[Sample]:
-        out = None
-        if self.is_owner:
-            self._check(sampling)
-            if sampling.n != 1:
-                raise ValueError(f"continue_samples: SamplingParams.n must be 1 (got {sampling.n})")
-            contexts, budgets, todo = [], [], []
-            for k, s in enumerate(samples):
-                if s.finish_reason != "truncated":
-                    raise ValueError(f"continue_samples: sample {k} has finish_reason "
-                                     f"{s.finish_reason!r}; only 'truncated' samples continue")
-                context = (self._check_ids(s.prompt_ids, f"sample {k} prompt_ids")
-                           + self._check_ids(s.response_ids, f"sample {k} response_ids", True))
-                budget = segment_budget(len(context), len(s.response_ids), sampling, self._context())
-                if budget[0] > 0:
-                    contexts.append(context)
-                    budgets.append(budget)
-                    todo.append(k)
-            segments = dict(zip(todo, self._segments(contexts, budgets, sampling, fire=False)))
-            out = []
-            for k, s in enumerate(samples):
-                ids, lps, reason = segments.get(k, ([], [], "length"))
-                response = list(s.response_ids) + ids
-                out.append(Sample(prompt_ids=list(s.prompt_ids), response_ids=response,
-                                  logprobs=list(s.logprobs) + lps, finish_reason=reason,
-                                  text=self._decode(response), index=s.index, meta=dict(s.meta)))
-        return broadcast_from_owner(out, self.group)
+        return run_on_owner(lambda: self._continue(samples, sampling), self.group)
+
+    def _generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Sample]:
+        self._check(sampling)
+        prompts = [self._check_ids(p, f"prompt {i}") for i, p in enumerate(prompts)]
+        for i, p in enumerate(prompts):
+            if len(p) >= self._context():
+                raise ValueError(f"prompt {i} has {len(p)} tokens; the engine context is "
+                                 f"{self._context()} tokens")
+        rows = [(i, p) for i, p in enumerate(prompts) for _ in range(sampling.n)]
+        budgets = [segment_budget(len(p), 0, sampling, self._context()) for _, p in rows]
+        segments = self._segments([p for _, p in rows], budgets, sampling, fire=True)
+        return [Sample(prompt_ids=list(p), response_ids=ids, logprobs=lps, finish_reason=reason,
+                       text=self._decode(ids), index=i,
+                       meta={"weight_versions": [self.weight_version]})
+                for (i, p), (ids, lps, reason) in zip(rows, segments)]
+
+    def _continue(self, samples: Sequence[Sample], sampling: SamplingParams) -> list[Sample]:
+        self._check(sampling)
+        if sampling.n != 1:
+            raise ValueError(f"continue_samples: SamplingParams.n must be 1 (got {sampling.n})")
+        contexts, budgets, todo = [], [], []
+        for k, s in enumerate(samples):
+            if s.finish_reason != "truncated":
+                raise ValueError(f"continue_samples: sample {k} has finish_reason "
+                                 f"{s.finish_reason!r}; only 'truncated' samples can be continued")
+            context = (self._check_ids(s.prompt_ids, f"sample {k} prompt_ids")
+                       + self._check_ids(s.response_ids, f"sample {k} response_ids", True))
+            budget = segment_budget(len(context), len(s.response_ids), sampling, self._context())
+            if budget[0] > 0:
+                contexts.append(context)
+                budgets.append(budget)
+                todo.append(k)
+        segments = dict(zip(todo, self._segments(contexts, budgets, sampling, fire=False)))
+        out = []
+        for k, s in enumerate(samples):
+            ids, lps, reason = segments.get(k, ([], [], "length"))
+            response = list(s.response_ids) + ids
+            meta = dict(s.meta)
+            meta["weight_versions"] = list(meta.get("weight_versions", [])) + [self.weight_version]
+            out.append(Sample(prompt_ids=list(s.prompt_ids), response_ids=response,
+                              logprobs=list(s.logprobs) + lps, finish_reason=reason,
+                              text=self._decode(response), index=s.index, meta=meta))
+        return out
 
     def _segments(self, contexts, budgets, sampling, fire):
         if not contexts:
@@ -177,15 +183,21 @@ class SGLangEngine:
     # ------------------------------------------------------------------ weights and memory
 
     def update_weights(self, stream: Iterable[list[tuple[str, torch.Tensor]]]) -> None:
-        """Collective over `group`: every rank passes its own stream (same names and buckets)."""
+        """Collective over `group`: every rank passes its own stream (same names and buckets).
+
+        After each bucket the owner broadcasts its status, so an SGLang failure raises on every
+        rank instead of leaving the others blocked in the next gather; this also guarantees that
+        a rank's bucket tensors outlive the owner's load of them.
+        """
         from sglang.srt.utils import MultiprocessingSerializer
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
         monkey_patch_torch_reductions()
-        session = self.is_owner and needs_weight_update_session(self.sglang_version)
+        session = needs_weight_update_session(self.sglang_version)
         if session:
-            self._ok(self._engine.begin_weight_update(selector="all"), "begin_weight_update")
+            run_on_owner(lambda: self._ok(self._engine.begin_weight_update(selector="all"),
+                                          "begin_weight_update"), self.group)
         device = torch.device("cuda", torch.cuda.current_device())
         keep_alive: collections.deque = collections.deque(maxlen=2)
         for bucket, is_last in with_last_flag(rebucket(stream, self.bucket_bytes)):
@@ -197,36 +209,31 @@ class SGLangEngine:
                 output_str=True)
             torch.cuda.current_stream().synchronize()  # the receiver reads after this returns
             payloads = gather_to_owner(payload, self.group)
-            if self.is_owner:
-                self._ok(self._engine.update_weights_from_tensor(
-                    named_tensors=payloads, load_format="flattened_bucket", flush_cache=is_last),
-                    "update_weights_from_tensor")
+            run_on_owner(lambda: self._ok(self._engine.update_weights_from_tensor(
+                named_tensors=payloads, load_format="flattened_bucket", flush_cache=is_last),
+                "update_weights_from_tensor"), self.group)
         if session:
-            self._ok(self._engine.end_weight_update(), "end_weight_update")
+            run_on_owner(lambda: self._ok(self._engine.end_weight_update(), "end_weight_update"),
+                         self.group)
         torch.cuda.synchronize()
-        self._barrier()
         keep_alive.clear()
         self.weights_valid = True
+        self.weight_version += 1
 
     def release_memory(self) -> None:
-        if self.is_owner:
-            self._engine.release_memory_occupation()
-        self._barrier()
+        run_on_owner(lambda: self._engine.release_memory_occupation(), self.group)
 
     def resume_memory(self) -> None:
-        if self.is_owner:
+        def resume():
             self._engine.resume_memory_occupation()
             self.weights_valid = self.cpu_backup
-        self._barrier()
+
+        run_on_owner(resume, self.group)
 
     def shutdown(self) -> None:
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
-
-    def _barrier(self) -> None:
-        if self.group is not None and dist.get_world_size(self.group) > 1:
-            dist.barrier(group=self.group)
 
     @staticmethod
     def _ok(result: Any, what: str) -> None:

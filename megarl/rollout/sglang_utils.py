@@ -212,6 +212,24 @@ def broadcast_from_owner(obj: Any, group: dist.ProcessGroup | None) -> Any:
     return box[0]
 
 
+def run_on_owner(fn: Callable[[], T], group: dist.ProcessGroup | None) -> T:
+    """Runs `fn` on the group's rank 0 and returns its result on every rank of `group`.
+
+    An exception on the owner is re-raised on every rank (the other ranks would otherwise wait
+    forever in the next collective).
+    """
+    result, error = None, None
+    if group is None or dist.get_rank(group) == 0:
+        try:
+            result = fn()
+        except Exception as err:  # noqa: BLE001 - forwarded to every rank below
+            error = err
+    result, error = broadcast_from_owner((result, error), group)
+    if error is not None:
+        raise error
+    return result  # type: ignore[return-value]
+
+
 # ---------------------------------------------------------------------------- one segment
 
 Segment = tuple[list[int], list[float], FinishReason]

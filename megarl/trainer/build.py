@@ -33,32 +33,48 @@ def load_hf_config_and_tokenizer(hf_path: str):
     return AutoConfig.from_pretrained(hf_path), AutoTokenizer.from_pretrained(hf_path)
 
 
-def build_actor(cfg, hf_config, optim=True, load: str | None = None) -> TrainModel:
+def _padded_vocab(load: str | None, tp: int) -> int | None:
+    from megarl.weights.dist_ckpt import padded_vocab_for, read_checkpoint_meta
+
+    return padded_vocab_for(read_checkpoint_meta(load), tp) if load else None
+
+
+def _train_model(cfg, hf_config, optim, load: str | None, value_head: bool = False) -> TrainModel:
+    """Builds the model and loads `load` (a megarl torch_dist model checkpoint) or, without
+    one, the HF safetensors of model.hf_path (rank-local slice reads)."""
+    from megatron.core import parallel_state as ps
+
     from megarl.weights import load_hf_weights
 
-    model = TrainModel(hf_config, cfg.actor if optim else None, dtype=cfg.model.dtype,
-                       impl=resolve_impl(cfg.model), total_steps=cfg.trainer.total_steps)
-    load = load or cfg.model.load
+    model = TrainModel(hf_config, optim, value_head=value_head, dtype=cfg.model.dtype,
+                       impl=resolve_impl(cfg.model), total_steps=cfg.trainer.total_steps,
+                       padded_vocab=_padded_vocab(load, ps.get_tensor_model_parallel_world_size()),
+                       seed=cfg.trainer.seed)
     if load:
         model.load(load, load_optimizer=False)
     else:
-        load_hf_weights(model.modules, cfg.model.hf_path)
+        load_hf_weights(model.chunks, cfg.model.hf_path)
+    if model.optimizer is not None:
+        model.optimizer.reload_model_params()  # refresh fp32 main params from the loaded weights
     return model
 
 
-def build_critic(cfg, hf_config) -> TrainModel:
-    """Same architecture with a scalar value head, initialised from the actor's backbone (the
-    head starts at zero) or from a critic checkpoint (`model.critic_load`)."""
-    from megarl.weights import load_hf_weights
+def build_actor(cfg, hf_config, optim=True) -> TrainModel:
+    return _train_model(cfg, hf_config, cfg.actor if optim else None, cfg.model.load)
 
+
+def build_critic(cfg, hf_config, actor: TrainModel) -> TrainModel:
+    """Same architecture with a scalar value head: loaded from `model.critic_load` (or a path in
+    critic.init_from), else initialised from the actor's current backbone (same layout, copied
+    in memory) with the value head as built."""
+    load = cfg.model.critic_load or (None if cfg.critic.init_from in ("actor", "") else cfg.critic.init_from)
+    if load:
+        return _train_model(cfg, hf_config, cfg.critic, load, value_head=True)
     critic = TrainModel(hf_config, cfg.critic, value_head=True, dtype=cfg.model.dtype,
-                        impl=resolve_impl(cfg.model), total_steps=cfg.trainer.total_steps)
-    if cfg.model.critic_load:
-        critic.load(cfg.model.critic_load, load_optimizer=False)
-    elif cfg.critic.init_from not in ("actor", ""):
-        critic.load(cfg.critic.init_from, load_optimizer=False)
-    else:
-        load_hf_weights(critic.modules, cfg.model.hf_path)
+                        impl=resolve_impl(cfg.model), total_steps=cfg.trainer.total_steps,
+                        padded_vocab=actor.modules[0].vocab_size, seed=cfg.trainer.seed)
+    copied = critic.copy_backbone_from(actor)
+    log.info("critic initialised from the actor backbone (%d tensors)", copied)
     return critic
 
 
@@ -85,31 +101,23 @@ class PromptData:
 
 
 def build_data(cfg, tokenizer) -> PromptData:
-    from megarl.data.dataset import PromptSampler, load_prompt_dataset
-    from megarl.data.templates import render_prompt
+    """Training prompts (a resumable sampler) and eval sets, templated and tokenised; bad rows
+    and over-long prompts are skipped, counted and named in a warning by megarl.data."""
+    from megarl.data.dataset import load_prompt_dataset, tokenize_dataset
+    from megarl.data.sampler import PromptSampler
 
     d = cfg.data
     kw = dict(prompt_key=d.prompt_key, answer_key=d.answer_key, source_key=d.source_key,
               default_source=d.default_data_source)
-    train = load_prompt_dataset(d.train_path, **kw)
-    train = _filter_long(train, tokenizer, d)
+    tok = dict(template=d.prompt_template, max_prompt_len=d.max_prompt_len,
+               apply_chat_template=d.apply_chat_template)
+    if not d.train_path:
+        raise ValueError("data.train_path is not set")
+    train = tokenize_dataset(load_prompt_dataset(d.train_path, **kw), tokenizer, **tok)
     evals = {}
     for spec in d.eval:
         path = spec if isinstance(spec, str) else spec["path"]
-        name = Path(path).stem if isinstance(spec, str) else spec.get("name", Path(path).stem)
-        evals[name] = list(_filter_long(load_prompt_dataset(path, **kw), tokenizer, d).items)
-
-    def encode(items):
-        return [render_prompt(it, d.prompt_template, tokenizer, d.apply_chat_template) for it in items]
-
-    sampler = PromptSampler(train, batch_prompts=cfg.rollout.prompts_per_step, seed=d.seed, shuffle=d.shuffle)
-    return PromptData(train=sampler, evals=evals, encode=encode)
-
-
-def _filter_long(dataset, tokenizer, d):
-    from megarl.data.dataset import filter_by_prompt_length
-
-    kept = filter_by_prompt_length(dataset, tokenizer, d.max_prompt_len, d.prompt_template, d.apply_chat_template)
-    if dist.get_rank() == 0 and kept.skipped:
-        log.warning("%s: skipped %d rows (first: %s)", dataset.path, len(kept.skipped), kept.skipped[:3])
-    return kept
+        name = spec.get("name", Path(path).stem) if isinstance(spec, dict) else Path(path).stem
+        evals[name] = list(tokenize_dataset(load_prompt_dataset(path, **kw), tokenizer, **tok).items)
+    sampler = PromptSampler(train.items, batch_prompts=cfg.rollout.prompts_per_step, seed=d.seed, shuffle=d.shuffle)
+    return PromptData(train=sampler, evals=evals, encode=lambda items: [list(it.prompt_ids) for it in items])

@@ -35,7 +35,7 @@ def train(cfg) -> dict:
     al, ro = cfg.algorithm, cfg.rollout
 
     actor = build.build_actor(cfg, hf_config)
-    critic = build.build_critic(cfg, hf_config) if cfg.critic.enable else None
+    critic = build.build_critic(cfg, hf_config, actor) if cfg.critic.enable else None
     ref = build.build_actor(cfg, hf_config, optim=False) if al.kl_coef > 0 else None
     engine = build.build_engine(cfg, hf_config, tokenizer)
     worker = RolloutWorker(engine, tokenizer, build.build_rewards(cfg), cfg)
@@ -78,6 +78,10 @@ def train(cfg) -> dict:
             logger.log(step, out)
         return out
 
+    def next_items(n: int):
+        data.train.batch_prompts = n
+        return data.train.next_batch()
+
     sync_weights()
     first_eval = evaluate(start_step) if (cfg.trainer.val_before_train and start_step == 0) else {}
     last_eval: dict[str, float] = {}
@@ -86,7 +90,7 @@ def train(cfg) -> dict:
         t_step = time.perf_counter()
         # ---- rollout -----------------------------------------------------------------------------
         with timer("rollout"):
-            batch, metrics = collect_step_batch(data.train.next_batch, data.encode, worker, cfg, step, ds_buffer)
+            batch, metrics = collect_step_batch(next_items, data.encode, worker, cfg, step, ds_buffer)
         ppo.set_masks(batch, cfg)
         minibatches = ppo.split_minibatches(batch, al.mini_batch_size, cfg.trainer.seed + step, dp_rank, dp_size)
         local = [t for mb in minibatches for t in mb]

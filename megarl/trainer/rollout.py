@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.algorithms import overlong_penalty
+from megarl.data.sampler import shard_for_rank
 from megarl.rollout import SamplingParams
 from megarl.trainer.batch import Trajectory
 
@@ -49,9 +50,8 @@ class RolloutWorker:
     def generate(self, items, encoded: list[list[int]], sampling: SamplingParams) -> list[Trajectory]:
         """Generates `sampling.n` responses per item on this rank's share, scores them, gathers."""
         rank, world = dist.get_rank(), dist.get_world_size()
-        per = -(-len(items) // world)
-        local_items = items[rank * per : (rank + 1) * per]
-        local_prompts = encoded[rank * per : (rank + 1) * per]
+        local_items = shard_for_rank(items, rank, world)
+        local_prompts = shard_for_rank(encoded, rank, world)
         trajs: list[Trajectory] = []
         reward_metrics: dict[str, float] = {}
         if local_items:

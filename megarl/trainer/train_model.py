@@ -13,12 +13,16 @@ the global-batch loss.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from megarl.trainer.batch import MicroBatch
+
+# the distributed optimizer's reshardable format: loads under another DP / TP / PP layout
+OPTIM_CKPT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 LossFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
@@ -40,7 +44,7 @@ def lr_at(step: int, optim, total_steps: int) -> float:
 
 class TrainModel:
     def __init__(self, hf_config, optim=None, *, value_head: bool = False, dtype: str = "fp32",
-                 impl: str = "local", total_steps: int = 1):
+                 impl: str = "local", total_steps: int = 1, padded_vocab: int | None = None, seed: int = 0):
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads
@@ -52,7 +56,8 @@ class TrainModel:
         self.value_head = value_head
         self.total_steps = total_steps
         self.use_te = impl == "transformer_engine"
-        chunks = build_model(hf_config, value_head=value_head, dtype=dtype, impl=impl)
+        chunks = build_model(hf_config, value_head=value_head, dtype=dtype, impl=impl,
+                             padded_vocab=padded_vocab, seed=seed)
         self.chunks = chunks if isinstance(chunks, list) else [chunks]
         self.config = self.chunks[0].config
         self.optimizer = None
@@ -84,6 +89,21 @@ class TrainModel:
     def modules(self):
         """The bare GPTModel chunks (unwrapped from DDP)."""
         return [getattr(c, "module", c) for c in self.chunks]
+
+    @torch.no_grad()
+    def copy_backbone_from(self, other: "TrainModel") -> int:
+        """Copies every parameter that `other` has under the same name and shape (the whole
+        transformer; not the output layer / value head). Same parallel layout required."""
+        n = 0
+        for mine, theirs in zip(self.modules, other.modules):
+            src = dict(theirs.named_parameters())
+            for name, p in mine.named_parameters():
+                if name in src and src[name].shape == p.shape and not name.startswith("output_layer"):
+                    p.copy_(src[name])
+                    n += 1
+        if self.optimizer is not None:
+            self.optimizer.reload_model_params()
+        return n
 
     def set_lr(self, step: int) -> float:
         lr = lr_at(step, self.optim_cfg, self.total_steps)
@@ -175,30 +195,36 @@ class TrainModel:
         return metrics
 
     # ---- checkpoints -----------------------------------------------------------------------
-    def sharded_state_dict(self):
-        sd = {}
-        for i, m in enumerate(self.modules):
-            sd[f"model{i}"] = m.sharded_state_dict()
-        if self.optimizer is not None:
-            sd["optimizer"] = self.optimizer.sharded_state_dict(sd)
-        return sd
-
-    def save(self, path: str) -> None:
+    def save(self, path: str, hf_source_dir: str | None = None) -> None:
+        """Collective: <path>/model (+ hf/ and metadata, see megarl.weights.dist_ckpt) and, when
+        training, <path>/optimizer (torch_dist, reloadable under another DP/TP/PP layout)."""
         from megatron.core import dist_checkpointing
 
-        dist_checkpointing.save(self.sharded_state_dict(), path)
+        from megarl.weights import dist_ckpt
+
+        dist_ckpt.save_megatron_checkpoint(self.chunks, path, self.hf_config, hf_source_dir)
+        if self.optimizer is not None:
+            if dist.get_rank() == 0:
+                Path(path, "optimizer").mkdir(parents=True, exist_ok=True)
+            dist.barrier()
+            model_sd = dist_ckpt.model_sharded_state_dict(self.chunks)
+            sd = self.optimizer.sharded_state_dict(model_sd, metadata=OPTIM_CKPT_METADATA)
+            dist_checkpointing.save(sd, str(Path(path, "optimizer")))
+            dist.barrier()
 
     def load(self, path: str, load_optimizer: bool = True) -> None:
         from megatron.core import dist_checkpointing
 
-        sd = {f"model{i}": m.sharded_state_dict() for i, m in enumerate(self.modules)}
+        from megarl.weights import dist_ckpt
+
+        dist_ckpt.load_megatron_checkpoint(self.chunks, path)
         if self.optimizer is not None and load_optimizer:
-            sd["optimizer"] = self.optimizer.sharded_state_dict(sd, is_loading=True)
-        state = dist_checkpointing.load(sd, path)
-        for i, m in enumerate(self.modules):
-            m.load_state_dict(state[f"model{i}"])
-        if "optimizer" in sd:
-            self.optimizer.load_state_dict(state["optimizer"])
+            opt_dir = Path(path, "optimizer")
+            dist_ckpt.check_checkpoint_files(opt_dir)
+            model_sd = dist_ckpt.model_sharded_state_dict(self.chunks)
+            sd = self.optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=OPTIM_CKPT_METADATA)
+            state = dist_checkpointing.load(sd, str(opt_dir))
+            self.optimizer.load_state_dict(state)
 
 
 def _torch_dtype(name: str) -> torch.dtype:

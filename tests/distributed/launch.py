@@ -27,6 +27,8 @@ def run_torchrun(script: str | Path, nproc: int, args: list[str], out_json: Path
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     if proc.returncode != 0:
-        tail = (proc.stdout + proc.stderr)[-6000:]
-        raise AssertionError(f"torchrun {script} failed (rc={proc.returncode}):\n{tail}")
+        text = proc.stdout + proc.stderr
+        first = text.find("Traceback")
+        head = text[first : first + 5000] if first >= 0 else ""
+        raise AssertionError(f"torchrun {script} failed (rc={proc.returncode}):\n{head}\n...\n{text[-2000:]}")
     return json.loads(Path(out_json).read_text())

@@ -5,6 +5,10 @@ Sections (results keyed in the JSON that rank 0 writes):
 - roundtrip[family][layout]: HF -> Megatron -> stream -> HF compared with torch.equal on every
   rank (all ranks receive the stream), bucket count;
 - ckpt[family]: torch_dist saved at TP=2,PP=1, loaded at TP=1,PP=2: logits diff and exactness;
+- loss[family][layout] (PP=1): Megatron's vocab-parallel cross-entropy over the padded vocab
+  vs F.cross_entropy of the HF logits (the padded columns must not leak into the softmax);
+- critic[layout]: value model (value_head=True) from the qwen2 weights vs HF hidden states @
+  score.weight; a critic checkpoint saved at TP=2,PP=1 and loaded at TP=1,PP=2;
 - optim: one Adam step at TP=1 and TP=2 on the same global batch; updated HF tensors compared.
 """
 
@@ -14,6 +18,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+import transformers
 from safetensors.torch import load_file
 
 from megarl.models import build_model, megatron_forward_logits
@@ -39,6 +45,42 @@ def roundtrip(model, cfg, original: dict) -> dict:
     ok = torch.tensor([int(exact)])
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank received the full stream
     return {"exact_all_ranks": bool(ok.item()), "keys": len(got), "buckets": buckets}
+
+
+def megatron_loss(model, ids: torch.Tensor) -> torch.Tensor:
+    """Per-token NLL [b, s-1] from GPTModel(labels=...) (PP=1 only)."""
+    from megarl.models.forward import causal_mask
+
+    s = ids.shape[1] - 1
+    pos = torch.arange(s)[None].expand(ids.shape[0], s)
+    with torch.no_grad():
+        return model[0](ids[:, :-1], pos, causal_mask(s), labels=ids[:, 1:])
+
+
+def critic_check(work: Path, ids: torch.Tensor, layout: str, rank: int) -> dict:
+    cfg = tiny_config("qwen2")
+    critic = build_model(cfg, value_head=True, seed=5)
+    load_hf_weights(critic, work / "qwen2")  # lm_head.weight ignored, score.weight absent
+    values = megatron_forward_logits(critic, ids)
+    tensors = {n: t.clone() for b in stream_hf_weights(critic, cfg) for n, t in b}
+    base = transformers.AutoModel.from_pretrained(work / "qwen2", dtype=torch.float32)
+    with torch.no_grad():
+        ref = base(ids).last_hidden_state @ tensors["score.weight"].T
+    out = {"shape": list(values.shape), "max_abs_diff": float((values - ref).abs().max()),
+           "ref_std": float(ref.std()), "has_lm_head": "lm_head.weight" in tensors,
+           "n_keys": len(tensors)}
+    if layout == "tp2_pp1":
+        save_megatron_checkpoint(critic, work / "ckpt_critic", cfg)
+        if rank == 0:
+            torch.save(values, work / "critic_values.pt")
+    if layout == "tp1_pp2":
+        dist.barrier()
+        fresh = build_model(cfg, value_head=True, seed=99)  # different head init
+        load_megatron_checkpoint(fresh, work / "ckpt_critic")
+        reloaded = megatron_forward_logits(fresh, ids)
+        saved = torch.load(work / "critic_values.pt", weights_only=True) if rank == 0 else reloaded
+        out["reloaded_vs_saved"] = float((reloaded - saved).abs().max())
+    return out
 
 
 def optimizer_step(hf_dir: Path, cfg, batch: torch.Tensor) -> dict:
@@ -94,7 +136,8 @@ def main():
     ids = torch.randint(0, 130, (BATCH, SEQ), generator=gen)
     refs = {fam: hf_logits(work / fam, ids) for fam in FAMILIES}
     originals = {fam: load_file(work / fam / "model.safetensors") for fam in FAMILIES}
-    res = {"logits": {f: {} for f in FAMILIES}, "roundtrip": {f: {} for f in FAMILIES}, "ckpt": {}}
+    res = {"logits": {f: {} for f in FAMILIES}, "roundtrip": {f: {} for f in FAMILIES}, "ckpt": {},
+           "loss": {f: {} for f in FAMILIES}, "critic": {}}
 
     for tp, pp in LAYOUTS:
         init_distributed(ParallelSizes(tp=tp, pp=pp), seed=3)
@@ -108,10 +151,15 @@ def main():
                 "max_abs_diff": float((out - refs[fam]).abs().max()), "shape": list(out.shape),
                 "ref_std": float(refs[fam].std())}
             res["roundtrip"][fam][layout] = roundtrip(model, cfg, originals[fam])
+            if pp == 1:
+                ref_nll = F.cross_entropy(refs[fam][:, :-1].flatten(0, 1), ids[:, 1:].flatten(),
+                                          reduction="none").view(BATCH, SEQ - 1)
+                res["loss"][fam][layout] = float((megatron_loss(model, ids) - ref_nll).abs().max())
             if (tp, pp) == (2, 1) and fam in ("qwen2", "llama_tied"):
                 save_megatron_checkpoint(model, work / f"ckpt_{fam}", cfg, hf_source_dir=work / fam)
                 res["ckpt"][fam] = {"saved_logits_diff": float((out - refs[fam]).abs().max())}
                 torch.save(out, work / f"ckpt_{fam}_logits.pt") if rank == 0 else None
+        res["critic"][layout] = critic_check(work, ids, layout, rank)
 
     init_distributed(ParallelSizes(tp=1, pp=2), seed=3)
     for fam in ("qwen2", "llama_tied"):

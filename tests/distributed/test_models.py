@@ -54,3 +54,22 @@ def test_one_optimizer_step_tp2_matches_tp1(results):
     assert r["grad_norms"][1] == pytest.approx(r["grad_norms"][0], rel=1e-5)
     assert r["min_update_size"] > 5e-3  # every tensor moved (lr 1e-2 Adam)
     assert r["max_update_diff"] < 1e-5
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_padded_vocab_does_not_leak_into_cross_entropy(results, family):
+    # megatron's vocab-parallel CE runs over the padded vocabulary (256 columns for 150 / 130
+    # tokens); the padded logits are masked, so the NLL equals HF's over the true vocabulary
+    for layout in ("tp1_pp1", "tp2_pp1"):
+        assert results["loss"][family][layout] < 1e-4, (family, layout)
+
+
+def test_critic_value_head(results):
+    for layout in LAYOUTS:
+        r = results["critic"][layout]
+        assert r["shape"] == [2, 12, 1]
+        assert r["ref_std"] > 0.05
+        assert r["max_abs_diff"] < 1e-5, layout  # == HF final hidden states @ score.weight
+        assert not r["has_lm_head"] and r["n_keys"] == 27  # lm_head replaced by score.weight
+    # saved at TP=2,PP=1, loaded at TP=1,PP=2 into a critic with a different head init
+    assert results["critic"]["tp1_pp2"]["reloaded_vs_saved"] < 1e-5

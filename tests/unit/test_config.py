@@ -71,7 +71,7 @@ def test_defaults_match_the_documented_base_yaml():
     assert load_config(os.path.join(REPO, "configs", "base.yaml")) == MegaRLConfig()
     # and base.yaml is exactly what the generator writes (docs stay in sync with the schema)
     with open(os.path.join(REPO, "configs", "base.yaml")) as f:
-        assert f.read() == dump_defaults()
+        assert f.read() == dump_defaults(), "regenerate: python -m megarl.config --dump-defaults > configs/base.yaml"
 
 
 # ----------------------------------------------------------------------------- composition
@@ -192,6 +192,14 @@ def test_cross_field_validation_names_the_field(overrides, field, text):
     assert field in msg and text in msg, msg
 
 
+def test_loader_refuses_a_layout_that_cannot_divide_its_world(tmp_path):
+    layout = write(tmp_path / "layouts" / "bad.yaml", "parallel: {tp: 3, nodes: 1, gpus_per_node: 8}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(layout)
+    assert f"parallel.tp (from {layout}): tp*pp*cp = 3*1*1 = 3 does not divide the world" in errors_of(e)
+    assert load_config(layout, ["parallel.gpus_per_node=6"]).parallel.tp == 3
+
+
 def test_validation_error_names_the_file_that_set_the_value(tmp_path):
     recipe = write(tmp_path / "r.yaml", "algorithm: {gamma: 2.0}\n")
     with pytest.raises(ConfigError) as e:
@@ -212,7 +220,7 @@ def test_validate_world_and_model():
     qwen7b = {"num_attention_heads": 28, "num_key_value_heads": 4, "num_hidden_layers": 28, "intermediate_size": 18944}
     validate_model(load_config(None, ["parallel.tp=4", "parallel.pp=2", "parallel.rollout_tp=2"]), qwen7b)
     with pytest.raises(ConfigError) as e:
-        validate_model(load_config(None, ["parallel.tp=8", "parallel.pp=3", "parallel.rollout_tp=8"]), qwen7b)
+        validate_model(load_config(None, ["parallel.tp=8", "parallel.pp=3", "parallel.nodes=3", "parallel.rollout_tp=8"]), qwen7b)
     msg = errors_of(e)
     assert "num_attention_heads=28 is not divisible by tp=8" in msg
     assert "num_key_value_heads=4 is not divisible by tp=8" in msg

@@ -101,7 +101,12 @@ def test_slurm_packages_git_head_by_default(slurm, capsys, tmp_path, monkeypatch
     if subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True).returncode != 0:
         pytest.skip("not a git checkout")
     monkeypatch.chdir(REPO)
-    script = dryrun(slurm, capsys, tmp_path, ["--recipe", "configs/recipes/qwen2.5-7b/grpo.yaml", "--nodes", "2"])
+    devnull = open(os.devnull)
+    monkeypatch.setattr(sys, "stdin", devnull)  # nemo-run runs `git archive` through invoke, which reads stdin
+    try:
+        script = dryrun(slurm, capsys, tmp_path, ["--recipe", "configs/recipes/qwen2.5-7b/grpo.yaml", "--nodes", "2"])
+    finally:
+        devnull.close()
     line = srun_line(script)
     assert "--container-workdir /nemo_run/code" in line  # the git archive of HEAD is the working directory
     assert "--nnodes 2 --nproc-per-node 8" in line
@@ -113,7 +118,7 @@ def test_slurm_refuses_a_layout_that_cannot_divide_the_world(slurm, capsys, tmp_
                      "--recipe", "configs/recipes/qwen2.5-32b/dapo.yaml", "--nodes", "1", "--gpus-per-node", "4",
                      "parallel.tp=8"])
     assert rc == 2
-    assert "tp*pp*cp = 8*1*1 = 8 does not divide the world size 4" in capsys.readouterr().err
+    assert "tp*pp*cp = 8*1*1 = 8 does not divide the world parallel.nodes*parallel.gpus_per_node = 4" in capsys.readouterr().err
     rc = slurm.main(["--account", "a", "--container", IMAGE, "--job-dir", str(tmp_path), "--dryrun",
                      "--recipe", "configs/recipes/qwen2.5-32b/dapo.yaml", "actor.learning_rate=1"])
     assert rc == 2 and "actor.learning_rate" in capsys.readouterr().err
@@ -148,3 +153,12 @@ def test_local_world_override_and_refusal():
         assert local.main(["--recipe", "configs/recipes/qwen2.5-7b/grpo.yaml", "--nproc", "2", "--dryrun"]) == 2
     finally:
         os.chdir(cwd)
+
+
+def test_slurm_overrides_judged_at_the_requested_node_count(slurm, capsys, tmp_path, monkeypatch):
+    """TP*PP*CP = 64 does not fit the recipe's own 4-node layout (32 GPUs) but does fit --nodes 8."""
+    monkeypatch.chdir(REPO)
+    script = dryrun(slurm, capsys, tmp_path, ["--recipe", "configs/recipes/qwen2.5-7b/grpo.yaml", "--nodes", "8",
+                                              "--code-dir", str(tmp_path), "parallel.pp=4", "parallel.cp=4"])
+    assert "#SBATCH --nodes=8" in script
+    assert srun_line(script).endswith("parallel.pp=4 parallel.cp=4 parallel.nodes=8")

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from megarl.rollout import BuiltinEngine, SamplingParams, make_engine
+from megarl.rollout import BuiltinEngine, RolloutEngine, SamplingParams, make_engine
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
@@ -160,6 +160,7 @@ def test_sharded_checkpoint(tmp_path):
     model.save_pretrained(tmp_path, max_shard_size="40KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
     engine = make_engine("builtin", model_path=tmp_path)
+    assert isinstance(engine, BuiltinEngine) and isinstance(engine, RolloutEngine)
     sample = engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_new_tokens=8))[0]
     assert sample.response_ids == _hf_greedy(model, PROMPTS[0], 8, None)
 

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 from megarl.rollout import BuiltinEngine, SamplingParams, make_engine
 from megarl.rollout.sglang_utils import (
     GenerateCall, broadcast_from_owner, first_call, gather_to_owner, map_finish_reason,
-    needs_weight_update_session, parse_output, plan_buckets, rebucket, run_segment,
+    needs_weight_update_session, parse_output, plan_buckets, rebucket, run_on_owner, run_segment,
     sampling_dict, second_call, version_tuple, with_last_flag)
 from megarl.rollout.sampling import TokenSampler
 
@@ -104,13 +104,23 @@ def test_with_last_flag_and_versions():
         version_tuple("dev")
 
 
+def _fail(message: str):
+    raise ValueError(message)
+
+
 def _gather_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     group = dist.new_group(list(range(world)), backend="gloo")
     gathered = gather_to_owner(f"payload-{rank}".encode(), group)
     samples = broadcast_from_owner({"from": rank} if rank == 0 else None, group)
+    owner_value = run_on_owner(lambda: 10 + rank, group)
+    try:
+        run_on_owner(lambda: _fail("prompt 3 is empty"), group)
+        error = None
+    except ValueError as err:
+        error = str(err)
     with open(f"{out_dir}/rank{rank}.pkl", "wb") as f:
-        pickle.dump((gathered, samples), f)
+        pickle.dump((gathered, samples, owner_value, error), f)
     dist.destroy_process_group()
 
 
@@ -122,6 +132,8 @@ def test_gather_and_broadcast_over_gloo(tmp_path):
     assert results[0][0] == [b"payload-0", b"payload-1", b"payload-2"]  # ordered by group rank
     assert results[1][0] is None and results[2][0] is None
     assert all(r[1] == {"from": 0} for r in results)
+    assert all(r[2] == 10 for r in results)  # the owner's result everywhere
+    assert all(r[3] == "prompt 3 is empty" for r in results)  # the owner's error on every rank
     assert gather_to_owner("x", None) == ["x"] and broadcast_from_owner(5, None) == 5
 
 

@@ -64,6 +64,12 @@ def test_ok_stdin_stdout():
     assert 0 < r.elapsed_s < 5
 
 
+def test_dev_nodes_work():
+    r = run_python("import os\nopen('/dev/null', 'w').write('x')\n"
+                   "print(len(open('/dev/urandom', 'rb').read(16)), os.urandom(4) != b'')")
+    assert (r.status, r.stdout) == ("ok", "16 True\n"), r.stderr
+
+
 def test_error_statuses():
     r = run_python("raise ValueError('boom')")
     assert r.status == "error" and "ValueError: boom" in r.stderr
@@ -176,12 +182,15 @@ def test_fork_bomb_is_contained_and_cleaned_up():
 
 
 def test_process_count_limit():
+    """RLIMIT_NPROC counts threads too: 8 tasks = the main thread + 7 (memory is generous so
+    that thread stacks and malloc arenas do not hit the address-space limit first)."""
     code = ("import threading, time\nn = 0\ntry:\n    for _ in range(200):\n"
             "        threading.Thread(target=time.sleep, args=(3,), daemon=True).start(); n += 1\n"
             "except RuntimeError:\n    print('limited at', n)")
-    r = run_python(code, limits=Limits(timeout_s=5, nproc=16))
-    assert r.status == "ok" and r.stdout.startswith("limited at")
-    assert int(r.stdout.split()[-1]) < 16
+    r = run_python(code, limits=Limits(timeout_s=5, nproc=8, memory_mb=4096))
+    assert r.status == "ok" and r.stdout.startswith("limited at"), (r.stdout, r.stderr[-300:])
+    limited_at = int(r.stdout.split()[-1])
+    assert limited_at == 7 if os.geteuid() == 0 else 0 < limited_at < 8
 
 
 @pytest.mark.parametrize("code", [
@@ -223,3 +232,52 @@ def test_fallback_refuses_to_run_as_root_when_python_is_private(monkeypatch):
     monkeypatch.delenv("MEGARL_SANDBOX_ALLOW_ROOT", raising=False)
     with pytest.raises(SandboxUnavailable):
         run_python("print(1)", mode="rlimit")
+
+
+def test_cleanup_stale(tmp_path):
+    old, fresh = tmp_path / "megarl-sbx-old", tmp_path / "megarl-sbx-new"
+    for d in (old, fresh):
+        (d / "work").mkdir(parents=True)
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    assert sandbox.cleanup_stale(str(tmp_path), older_than_s=3600) == 1
+    assert not old.exists() and fresh.exists()
+
+
+def test_launcher_failure_is_an_error_not_a_program_result(monkeypatch):
+    spec = sandbox._spec
+    monkeypatch.setattr(sandbox, "_spec", lambda *a: {**spec(*a), "argv": ["/nonexistent/python"]})
+    with pytest.raises(SandboxUnavailable, match="could not start the program.*exec"):
+        run_python("print(1)")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="counts processes by the sandbox's private uids")
+def test_a_killed_caller_leaves_no_sandbox_behind(tmp_path):
+    import subprocess
+    import sys
+
+    caller = subprocess.Popen(
+        [sys.executable, "-c", "from megarl.rewards.sandbox import isolation, run_python\n"
+         "isolation()\nprint('probed', flush=True)\n"  # the probe run is over
+         "run_python('import time\\ntime.sleep(60)', timeout_s=60)"],
+        stdout=subprocess.PIPE, cwd=REPO, env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert caller.stdout.readline() == b"probed\n"
+    deadline = time.monotonic() + 20
+    while not _sandbox_uid_processes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _sandbox_uid_processes(), "the sandboxed program never started"
+    caller.kill()
+    caller.wait()
+    deadline = time.monotonic() + 5
+    while _sandbox_uid_processes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _sandbox_uid_processes() == []
+
+
+@needs_ns
+def test_work_dir_is_size_limited():
+    code = ("n = 0\ntry:\n    for i in range(100):\n"
+            "        open(f'f{i}', 'wb').write(b'x' * 4_000_000); n += 1\n"
+            "except OSError as e:\n    print('full after', n, e.errno)")
+    r = run_python(code, limits=Limits(timeout_s=10, tmpfs_mb=16))
+    assert r.status == "ok" and r.stdout.split()[:2] == ["full", "after"], (r.stdout, r.stderr)
+    assert int(r.stdout.split()[2]) <= 4 and r.stdout.split()[3] == "28"  # ENOSPC

@@ -1,0 +1,128 @@
+"""Worker for tests/distributed/test_trainer.py (2 gloo ranks, one launch, several cases).
+
+1. layouts: the same fixed PPO batch trained 2 steps at TP=1 (DP=2), TP=2 and PP=2 (1F1B)
+   from the same HF weights -> losses and grad norms per layout.
+2. resume: the RL loop (PPO preset: critic, GAE) run 3 steps straight, and 2 steps + resume to
+   3 in another run dir -> metrics.jsonl rows of both.
+3. nan: a NaN advantage makes the actor update raise, and `latest` still names the last good
+   checkpoint, which loads.
+"""
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megarl.config import load_config
+from megarl.parallel.distributed import ParallelSizes, init_distributed
+from megarl.trainer import checkpoint, ppo
+from megarl.trainer.batch import Trajectory
+from megarl.trainer.build import load_hf_config_and_tokenizer
+from megarl.trainer.train_model import TrainModel
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def fixed_batch(vocab: int, n: int = 8) -> list[Trajectory]:
+    rng = random.Random(0)
+    trajs = []
+    for i in range(n):
+        p = [rng.randrange(3, vocab) for _ in range(rng.randint(3, 6))]
+        r = [rng.randrange(3, vocab) for _ in range(rng.randint(2, 7))]
+        t = Trajectory(uid=str(i // 4), prompt_ids=p, response_ids=r, rollout_logprobs=[0.0] * len(r),
+                       finish_reason="stop", score=float(i % 3 == 0), acc=i % 3 == 0)
+        t.tensors["advantages"] = torch.tensor([rng.uniform(-1, 1) for _ in r])
+        trajs.append(t)
+    return trajs
+
+
+def case_layouts(cfg, hf_config) -> dict:
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megarl.weights import load_hf_weights
+
+    out = {}
+    for tp, pp in [(1, 1), (2, 1), (1, 2)]:
+        init_distributed(ParallelSizes(tp=tp, pp=pp), seed=3)
+        model = TrainModel(hf_config, cfg.actor, dtype="fp32")
+        load_hf_weights(model.chunks, cfg.model.hf_path)
+        model.optimizer.reload_model_params()
+        trajs = fixed_batch(hf_config.vocab_size)
+        ppo.set_masks(trajs, cfg)
+        ppo.compute_log_probs(model, trajs, "old_logprobs", 1.0, 64)
+        for t in trajs:  # make the clip active on some tokens
+            t.tensors["old_logprobs"] = t.tensors["old_logprobs"] + 0.3 * torch.sin(torch.arange(len(t.response_ids)))
+        losses, norms = [], []
+        for step in range(2):
+            mbs = ppo.split_minibatches(trajs, len(trajs), step, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+            m = ppo.update(model, mbs, lambda c: ppo.actor_loss_fn(cfg, c, 1.0), 24, ps.get_data_parallel_group(), "loss_mask")
+            losses.append(m["actor/pg_loss"])
+            norms.append(m["grad_norm"])
+        out[f"tp{tp}_pp{pp}"] = {"losses": losses, "grad_norms": norms,
+                                 "schedule": get_forward_backward_func().__name__}
+    return out
+
+
+def case_resume(cfg_path: str, overrides: list[str], root: Path) -> dict:
+    from megarl.trainer.loop import train
+
+    def run(run_dir, steps, resume):
+        cfg = load_config(cfg_path, overrides + [f"trainer.run_dir={run_dir}", f"trainer.total_steps={steps}",
+                                                 f"trainer.resume={str(resume).lower()}"])
+        train(cfg)
+
+    run(root / "straight", 3, False)
+    run(root / "resumed", 2, False)
+    run(root / "resumed", 3, True)
+    if dist.get_rank() == 0:
+        read = lambda p: [json.loads(x) for x in (p / "metrics.jsonl").read_text().splitlines()]
+        return {"straight": read(root / "straight"), "resumed": read(root / "resumed")}
+    return {}
+
+
+def case_nan(cfg, hf_config, root: Path) -> dict:
+    from megatron.core import parallel_state as ps
+
+    init_distributed(ParallelSizes(tp=2), seed=3)
+    latest = checkpoint.read_latest(root / "resumed")
+    model = TrainModel(hf_config, cfg.actor, dtype="fp32")
+    model.load(str(latest / "actor"))
+    trajs = fixed_batch(hf_config.vocab_size)
+    ppo.set_masks(trajs, cfg)
+    ppo.compute_log_probs(model, trajs, "old_logprobs", 1.0, 64)
+    trajs[0].tensors["advantages"][0] = float("nan")
+    error = ""
+    try:
+        mbs = ppo.split_minibatches(trajs, len(trajs), 0, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+        ppo.update(model, mbs, lambda c: ppo.actor_loss_fn(cfg, c, 1.0), 64, ps.get_data_parallel_group(), "loss_mask")
+    except FloatingPointError as e:
+        error = str(e)
+    after = checkpoint.read_latest(root / "resumed")
+    model.load(str(after / "actor"))  # still loadable
+    return {"error": error, "latest_before": str(latest), "latest_after": str(after)}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--root", required=True)
+    p.add_argument("--config", required=True)
+    p.add_argument("overrides", nargs="*")
+    a = p.parse_args()
+    root = Path(a.root)
+    cfg = load_config(a.config, a.overrides)
+    hf_config, _ = load_hf_config_and_tokenizer(cfg.model.hf_path)
+    res = {"layouts": case_layouts(cfg, hf_config)}
+    res["resume"] = case_resume(a.config, a.overrides, root)
+    res["nan"] = case_nan(cfg, hf_config, root)
+    if dist.get_rank() == 0:
+        Path(a.out).write_text(json.dumps(res))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
