@@ -78,12 +78,12 @@ def worker(argv: list[str]) -> None:
         if not (model_dir / "config.json").exists():
             save_tiny_model(model_dir, TinyModelSpec(seed=cfg.trainer.seed))
         if not (task_dir / "eval.jsonl").exists():
-            write_task_files(task_dir, n_sft=4000, n_train=4000, n_eval=200, seed=cfg.trainer.seed)
+            write_task_files(task_dir, n_sft=12000, n_train=4000, n_eval=200, seed=cfg.trainer.seed)
     dist.barrier()
     cfg.model.hf_path = str(model_dir)
     cfg.sft.data_path = str(task_dir / "sft.jsonl")
     cfg.data.train_path = str(task_dir / "train.jsonl")
-    cfg.data.eval = [str(task_dir / "eval.jsonl")]
+    cfg.data.eval = [{"path": str(task_dir / "eval.jsonl"), "name": "arith"}]
 
     # 2. HF -> Megatron (torch_dist at this TP/PP), 3. SFT warm start
     from megarl.trainer.sft import sft

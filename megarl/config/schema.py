@@ -201,7 +201,9 @@ class EvalConfig:
 class SftConfig:
     data_path: str | None = doc_field(None, "SFT data (.jsonl with prompt/response or messages)")
     epochs: int = doc_field(1, "passes over the SFT data")
-    lr: float = doc_field(1e-5, "SFT peak learning rate")
+    max_steps: int | None = doc_field(None, "stop after this many optimizer steps (null = epochs over the data)")
+    lr: float = doc_field(1e-5, "SFT peak learning rate (constant after warm-up)")
+    lr_warmup_steps: int = doc_field(10, "SFT linear warm-up steps")
     batch_size: int = doc_field(64, "samples per optimizer step")
     max_len: int = doc_field(4096, "longer samples are skipped and counted")
 

@@ -8,6 +8,7 @@ and counted with their row numbers.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import random
@@ -70,11 +71,13 @@ def sft(cfg, max_steps: int | None = None, save_to: str | None = None) -> dict:
     (default run_dir/sft_actor). Returns {"steps", "final_nll", "checkpoint"}."""
     from megatron.core import parallel_state as ps
 
+    cfg = copy.deepcopy(cfg)  # the SFT optimiser settings below must not leak into the caller's RL config
     init_distributed(cfg.parallel, seed=cfg.trainer.seed)
     hf_config, tokenizer = build.load_hf_config_and_tokenizer(cfg.model.hf_path)
-    cfg.actor.lr = cfg.sft.lr
+    cfg.actor.lr, cfg.actor.lr_warmup_steps, cfg.actor.lr_decay_style = cfg.sft.lr, cfg.sft.lr_warmup_steps, "constant"
     rows, skipped = load_sft_rows(cfg.sft.data_path, tokenizer, cfg.sft.max_len)
     steps_per_epoch = max(1, len(rows) // cfg.sft.batch_size)
+    max_steps = max_steps if max_steps is not None else cfg.sft.max_steps
     total = steps_per_epoch * cfg.sft.epochs if max_steps is None else max_steps
     cfg.trainer.total_steps = total
     actor = build.build_actor(cfg, hf_config)
