@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "quickstart" / "dapo.yaml"
 
 
 def launch(argv: list[str]) -> int:

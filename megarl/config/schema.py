@@ -163,6 +163,10 @@ class OptimConfig:
     max_tokens_per_microbatch: int = doc_field(
         32768, "token budget of one packed micro-batch per DP rank (split over CP ranks); a sample never spans two"
     )
+    pack_row_tokens: int | None = doc_field(
+        None, "local (non-TE) attention: pack sequences into rows of at most this many tokens (its cost grows "
+        "with the row length squared); null = one packed row per micro-batch (TE THD path)"
+    )
     use_distributed_optimizer: bool = doc_field(True, "shard fp32 master weights and Adam states over DP (x CP)")
     offload_optimizer: bool = doc_field(False, "keep optimizer state on CPU outside the optimizer step")
 

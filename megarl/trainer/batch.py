@@ -5,8 +5,8 @@ built by packing whole trajectories (prompt + response) into one row up to a tok
 loss function then gathers the response positions back into a padded [B_mb, T] view so that
 the pure functions of megarl.algorithms apply unchanged.
 
-Shift convention: for a sequence p_1..p_P r_1..r_R packed at offset o, the logits at packed
-position o+P-1+j predict r_{j+1} (0-based j), so response token j's log-prob, value and loss
+Shift convention: for a sequence p_1..p_P r_1..r_R packed at offset o of its row, the logits at
+position o+P-1+j predict response token j (0-based), so that token's log-prob, value and loss
 live at position o+P-1+j.
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megarl.data.packing import block_causal_mask, pack_sequences
+from megarl.data.packing import token_budget_microbatches
 
 
 @dataclass
@@ -39,12 +39,12 @@ class Trajectory:
 
 @dataclass
 class MicroBatch:
-    input_ids: torch.Tensor  # [1, S]
-    position_ids: torch.Tensor  # [1, S]
-    attention_mask: torch.Tensor | None  # [1, 1, S, S] bool, True = masked (local spec)
-    cu_seqlens: torch.Tensor  # [n+1] int32 (TE THD path)
-    targets: torch.Tensor  # [1, S] next token at every position
-    resp_index: torch.Tensor  # [n, T] packed position of each response token (0 where padded)
+    input_ids: torch.Tensor  # [rows, S]
+    position_ids: torch.Tensor  # [rows, S]
+    attention_mask: torch.Tensor  # [rows, 1, S, S] bool, True = masked (local attention)
+    cu_seqlens: torch.Tensor  # [n+1] int32 sequence boundaries (TE THD path, one row)
+    targets: torch.Tensor  # [rows, S] next token at every position
+    resp_index: torch.Tensor  # [n, T] flat (row * S + col) position of each response token
     resp_mask: torch.Tensor  # [n, T] 1.0 for real response tokens
     trajectories: list[Trajectory]
 
@@ -57,30 +57,54 @@ class MicroBatch:
         return out
 
     def gather(self, per_position: torch.Tensor) -> torch.Tensor:
-        """[1, S] (or [S]) packed values -> [n, T] response view (0 where padded)."""
+        """[rows, S] (any shape with rows*S elements) packed values -> [n, T] response view."""
         flat = per_position.reshape(-1)
         return flat[self.resp_index] * self.resp_mask.to(flat.dtype)
 
 
-def build_microbatch(trajs: list[Trajectory], with_mask: bool = True) -> MicroBatch:
+def build_microbatch(trajs: list[Trajectory], row_tokens: int | None = None) -> MicroBatch:
+    """Packs whole trajectories into rows.
+
+    row_tokens=None: one row, sequences delimited by cu_seqlens (the TE THD path; also gets a
+    block-causal mask for the local attention). With row_tokens, sequences are packed
+    first-fit-decreasing into rows of at most that many tokens (a longer sequence gets a row of
+    its own), each row with its own block-causal mask: the local attention's cost grows with the
+    row length squared, so short rows keep it near the per-sequence cost.
+    """
     seqs = [t.prompt_ids + t.response_ids for t in trajs]
-    packed = pack_sequences(seqs)
-    ids = packed.input_ids
-    targets = torch.roll(ids, shifts=-1, dims=1)  # crosses sequence ends only at unused positions
+    if row_tokens is None:
+        rows = [list(range(len(seqs)))]
+    else:
+        rows = [list(r) for r in token_budget_microbatches([len(q) for q in seqs], row_tokens)]
+    width = max(sum(len(seqs[i]) for i in r) for r in rows)
+    n_rows = len(rows)
+    ids = torch.zeros(n_rows, width, dtype=torch.long)
+    pos = torch.zeros(n_rows, width, dtype=torch.long)
+    mask = torch.ones(n_rows, 1, width, width, dtype=torch.bool)  # True = masked
+    mask[:, 0].diagonal(dim1=-2, dim2=-1).fill_(False)  # padding attends to itself only
     T = max(1, max(len(t.response_ids) for t in trajs))
     resp_index = torch.zeros(len(trajs), T, dtype=torch.long)
     resp_mask = torch.zeros(len(trajs), T)
-    for i, t in enumerate(trajs):
-        start = int(packed.cu_seqlens[i]) + len(t.prompt_ids) - 1
-        R = len(t.response_ids)
-        resp_index[i, :R] = torch.arange(start, start + R)
-        resp_mask[i, :R] = 1.0
+    lengths = []
+    for r, members in enumerate(rows):
+        off = 0
+        for i in members:
+            L, P, R = len(seqs[i]), len(trajs[i].prompt_ids), len(trajs[i].response_ids)
+            ids[r, off : off + L] = torch.tensor(seqs[i])
+            pos[r, off : off + L] = torch.arange(L)
+            mask[r, 0, off : off + L, off : off + L] = torch.ones(L, L, dtype=torch.bool).triu(1)
+            resp_index[i, :R] = r * width + off + P - 1 + torch.arange(R)
+            resp_mask[i, :R] = 1.0
+            lengths.append(L)
+            off += L
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(lengths).cumsum(0)
     return MicroBatch(
         input_ids=ids,
-        position_ids=packed.position_ids,
-        attention_mask=block_causal_mask(packed.cu_seqlens) if with_mask else None,
-        cu_seqlens=packed.cu_seqlens,
-        targets=targets,
+        position_ids=pos,
+        attention_mask=mask,
+        cu_seqlens=cu,
+        targets=torch.roll(ids, shifts=-1, dims=1),  # crosses sequence ends only at unused positions
         resp_index=resp_index,
         resp_mask=resp_mask,
         trajectories=trajs,

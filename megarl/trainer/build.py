@@ -49,7 +49,8 @@ def _train_model(cfg, hf_config, optim, load: str | None, value_head: bool = Fal
     model = TrainModel(hf_config, optim, value_head=value_head, dtype=cfg.model.dtype,
                        impl=resolve_impl(cfg.model), total_steps=cfg.trainer.total_steps,
                        padded_vocab=_padded_vocab(load, ps.get_tensor_model_parallel_world_size()),
-                       seed=cfg.trainer.seed)
+                       seed=cfg.trainer.seed, batching=cfg.critic if value_head else cfg.actor)
+    model.hf_source_dir = cfg.model.hf_path
     if load:
         model.load(load, load_optimizer=False)
     else:
@@ -73,6 +74,7 @@ def build_critic(cfg, hf_config, actor: TrainModel) -> TrainModel:
     critic = TrainModel(hf_config, cfg.critic, value_head=True, dtype=cfg.model.dtype,
                         impl=resolve_impl(cfg.model), total_steps=cfg.trainer.total_steps,
                         padded_vocab=actor.modules[0].vocab_size, seed=cfg.trainer.seed)
+    critic.hf_source_dir = cfg.model.hf_path
     copied = critic.copy_backbone_from(actor)
     log.info("critic initialised from the actor backbone (%d tensors)", copied)
     return critic
@@ -94,10 +96,42 @@ def build_rewards(cfg):
 
 
 @dataclass
+class EvalSet:
+    name: str
+    items: list  # PromptItem with prompt_ids
+    sampling: dict  # overrides of cfg.eval: n_samples, temperature, top_p, max_new_tokens
+
+
+@dataclass
 class PromptData:
     train: object  # PromptSampler
-    evals: dict[str, list]  # name -> list[PromptItem]
+    evals: list[EvalSet]
     encode: object  # items -> list[list[int]]
+
+
+EVAL_SAMPLING_KEYS = ("n_samples", "temperature", "top_p", "max_new_tokens")
+EVAL_SPEC_KEYS = {"name", "path", "prompt_key", "answer_key", "data_source", "prompt_template", *EVAL_SAMPLING_KEYS}
+
+
+def _eval_spec(spec) -> dict:
+    """An entry of data.eval: a dataset path, a path to an eval YAML (configs/eval/*.yaml), or
+    an inline mapping with the same keys."""
+    import yaml
+
+    if isinstance(spec, str) and spec.endswith((".yaml", ".yml")):
+        path = Path(spec)
+        if not path.is_file():
+            raise FileNotFoundError(f"data.eval: {spec} does not exist")
+        spec = yaml.safe_load(path.read_text()) or {}
+        where = str(path)
+    else:
+        where = "data.eval"
+        spec = {"path": spec} if isinstance(spec, str) else dict(spec)
+    unknown = set(spec) - EVAL_SPEC_KEYS
+    if unknown or "path" not in spec:
+        raise ValueError(f"{where}: eval spec needs 'path' and only {sorted(EVAL_SPEC_KEYS)} (got {sorted(spec)})")
+    spec.setdefault("name", Path(spec["path"]).stem)
+    return spec
 
 
 def build_data(cfg, tokenizer) -> PromptData:
@@ -114,10 +148,13 @@ def build_data(cfg, tokenizer) -> PromptData:
     if not d.train_path:
         raise ValueError("data.train_path is not set")
     train = tokenize_dataset(load_prompt_dataset(d.train_path, **kw), tokenizer, **tok)
-    evals = {}
-    for spec in d.eval:
-        path = spec if isinstance(spec, str) else spec["path"]
-        name = spec.get("name", Path(path).stem) if isinstance(spec, dict) else Path(path).stem
-        evals[name] = list(tokenize_dataset(load_prompt_dataset(path, **kw), tokenizer, **tok).items)
+    evals = []
+    for raw in d.eval:
+        spec = _eval_spec(raw)
+        ds = load_prompt_dataset(spec["path"], prompt_key=spec.get("prompt_key", d.prompt_key),
+                                 answer_key=spec.get("answer_key", d.answer_key), source_key=d.source_key,
+                                 default_source=spec.get("data_source", d.default_data_source))
+        ds = tokenize_dataset(ds, tokenizer, **{**tok, "template": spec.get("prompt_template", d.prompt_template)})
+        evals.append(EvalSet(spec["name"], list(ds.items), {k: spec[k] for k in EVAL_SAMPLING_KEYS if k in spec}))
     sampler = PromptSampler(train.items, batch_prompts=cfg.rollout.prompts_per_step, seed=d.seed, shuffle=d.shuffle)
     return PromptData(train=sampler, evals=evals, encode=lambda items: [list(it.prompt_ids) for it in items])

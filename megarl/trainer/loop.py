@@ -65,14 +65,16 @@ def train(cfg) -> dict:
             engine.update_weights(stream_hf_weights(actor.modules, hf_config, ro.weight_bucket_mb << 20))
 
     def evaluate(step: int) -> dict[str, float]:
+        """avg@k accuracy (pass@1 averaged over k samples) per eval set and over all sets."""
         out = {}
-        ev = cfg.eval
-        sampling = SamplingParams(n=ev.n_samples, temperature=ev.temperature, top_p=ev.top_p,
-                                  max_new_tokens=ev.max_new_tokens, seed=cfg.trainer.seed)
-        for name, items in data.evals.items():
-            trajs = worker.generate(items, data.encode(items), sampling)
-            out[f"eval/{name}/accuracy"] = sum(t.acc for t in trajs) / max(len(trajs), 1)
-            out[f"eval/{name}/response_length"] = sum(len(t.response_ids) for t in trajs) / max(len(trajs), 1)
+        for ev in data.evals:
+            s = {"n_samples": cfg.eval.n_samples, "temperature": cfg.eval.temperature,
+                 "top_p": cfg.eval.top_p, "max_new_tokens": cfg.eval.max_new_tokens, **ev.sampling}
+            sampling = SamplingParams(n=s["n_samples"], temperature=s["temperature"], top_p=s["top_p"],
+                                      max_new_tokens=s["max_new_tokens"], seed=cfg.trainer.seed + step)
+            trajs = worker.generate(ev.items, data.encode(ev.items), sampling)
+            out[f"eval/{ev.name}/accuracy"] = sum(t.acc for t in trajs) / max(len(trajs), 1)
+            out[f"eval/{ev.name}/response_length"] = sum(len(t.response_ids) for t in trajs) / max(len(trajs), 1)
         if out:
             out["eval/accuracy"] = sum(v for k, v in out.items() if k.endswith("/accuracy")) / len(data.evals)
             logger.log(step, out)
@@ -97,11 +99,11 @@ def train(cfg) -> dict:
 
         # ---- prepare -----------------------------------------------------------------------------
         with timer("prepare"):
-            ppo.compute_log_probs(actor, local, "old_logprobs", ro.temperature, cfg.actor.max_tokens_per_microbatch)
+            ppo.compute_log_probs(actor, local, "old_logprobs", ro.temperature)
             if ref is not None:
-                ppo.compute_log_probs(ref, local, "ref_logprobs", ro.temperature, cfg.actor.max_tokens_per_microbatch)
+                ppo.compute_log_probs(ref, local, "ref_logprobs", ro.temperature)
             if critic is not None:
-                ppo.compute_values(critic, local, cfg.critic.max_tokens_per_microbatch)
+                ppo.compute_values(critic, local)
             pretraining_critic = step < al.value_pretrain_steps
             ppo.compute_advantages(batch, local, cfg, dp_group, critic_only_returns=pretraining_critic)
 
@@ -111,13 +113,13 @@ def train(cfg) -> dict:
                 with timer("critic_update"):
                     metrics["critic/lr"] = critic.set_lr(step)
                     metrics.update(ppo.update(critic, minibatches, lambda c: ppo.critic_loss_fn(cfg, c),
-                                              cfg.critic.max_tokens_per_microbatch, dp_group, "value_mask"))
+                                              dp_group, "value_mask"))
                 metrics.update(_explained_variance(local, dp_group))
             if not pretraining_critic:
                 with timer("actor_update"):
                     metrics["actor/lr"] = actor.set_lr(step - al.value_pretrain_steps)
                     metrics.update(ppo.update(actor, minibatches, lambda c: ppo.actor_loss_fn(cfg, c, ro.temperature),
-                                              cfg.actor.max_tokens_per_microbatch, dp_group, "loss_mask"))
+                                              dp_group, "loss_mask"))
         _check_finite(metrics, step)
         metrics.update(_mismatch(local, dp_group))
         if not pretraining_critic:

@@ -13,16 +13,11 @@ import torch
 import torch.distributed as dist
 
 from megarl import algorithms as A
-from megarl.data.packing import balance_across_dp, token_budget_microbatches
+from megarl.data.packing import balance_across_dp
 from megarl.trainer import vocab_parallel
-from megarl.trainer.batch import MicroBatch, Trajectory, build_microbatch, response_tensor, scatter_response_tensor
+from megarl.trainer.batch import MicroBatch, Trajectory, response_tensor, scatter_response_tensor
 
 CRITIC_ADVANTAGES = ("gae", "egae")
-
-
-def microbatches(trajs: list[Trajectory], max_tokens: int) -> list[MicroBatch]:
-    groups = token_budget_microbatches([t.length for t in trajs], max_tokens)
-    return [build_microbatch([trajs[i] for i in g]) for g in groups]
 
 
 def split_minibatches(trajs: list[Trajectory], mini_batch_size: int, seed: int,
@@ -40,19 +35,19 @@ def split_minibatches(trajs: list[Trajectory], mini_batch_size: int, seed: int,
 
 
 # ---- prepare ----------------------------------------------------------------------------------
-def compute_log_probs(model, trajs: list[Trajectory], key: str, temperature: float, max_tokens: int) -> None:
+def compute_log_probs(model, trajs: list[Trajectory], key: str, temperature: float) -> None:
     def fn(mb: MicroBatch, logits):
-        logp = vocab_parallel.token_log_probs(logits[0], mb.targets[0], temperature)
+        logp = vocab_parallel.token_log_probs(logits, mb.targets, temperature)
         return {key: mb.gather(logp)}
 
-    model.forward_only(microbatches(trajs, max_tokens), fn, [key])
+    model.forward_only(trajs, fn, [key])
 
 
-def compute_values(critic, trajs: list[Trajectory], max_tokens: int) -> None:
+def compute_values(critic, trajs: list[Trajectory]) -> None:
     def fn(mb: MicroBatch, values):
         return {"values": mb.gather(values.reshape(-1).float())}
 
-    critic.forward_only(microbatches(trajs, max_tokens), fn, ["values"])
+    critic.forward_only(trajs, fn, ["values"])
 
 
 # ---- advantages -------------------------------------------------------------------------------
@@ -138,7 +133,7 @@ def actor_loss_fn(cfg, counts: dict[str, float], temperature: float):
                   max_len=cfg.rollout.max_new_tokens)
 
     def loss_fn(mb: MicroBatch, logits):
-        logp_all = vocab_parallel.token_log_probs(logits[0], mb.targets[0], temperature)
+        logp_all = vocab_parallel.token_log_probs(logits, mb.targets, temperature)
         logp = mb.gather(logp_all)
         mask = mb.padded("loss_mask")
         old = mb.padded("old_logprobs")
@@ -153,7 +148,7 @@ def actor_loss_fn(cfg, counts: dict[str, float], temperature: float):
             loss = loss + al.kl_coef * kl_loss
             logs["actor/kl_loss"] = kl_loss.detach()
         with torch.set_grad_enabled(al.entropy_coef > 0 and torch.is_grad_enabled()):
-            flat = logits[0][mb.resp_index.reshape(-1)]  # only response positions
+            flat = logits.reshape(-1, logits.shape[-1])[mb.resp_index.reshape(-1)]  # response positions only
             ent = vocab_parallel.entropy(flat, temperature).reshape(mask.shape)
             ent_mean = A.agg_loss(ent, mask, "token-mean", counts["tokens"])
         if al.entropy_coef > 0:
@@ -196,13 +191,12 @@ def set_masks(trajs: list[Trajectory], cfg) -> None:
         t.tensors["value_mask"] = ones * (0.0 if unfinished else 1.0)
 
 
-def update(model, minibatches: list[list[Trajectory]], loss_factory, max_tokens: int, dp_group,
-           mask_key: str) -> dict[str, float]:
+def update(model, minibatches: list[list[Trajectory]], loss_factory, dp_group, mask_key: str) -> dict[str, float]:
     """One optimizer step per mini-batch; returns metrics averaged over the mini-batches."""
     totals: dict[str, float] = {}
     for local in minibatches:
         counts = global_counts_for(local, dp_group, mask_key)
-        metrics = model.train_step(microbatches(local, max_tokens), loss_factory(counts))
+        metrics = model.train_step(local, loss_factory(counts))
         for k, v in metrics.items():
             totals[k] = totals.get(k, 0.0) + v / len(minibatches)
     return totals

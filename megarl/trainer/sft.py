@@ -58,7 +58,7 @@ def load_sft_rows(path: str, tokenizer, max_len: int) -> tuple[list[Trajectory],
 
 def nll_loss_fn(counts: dict[str, float]):
     def loss_fn(mb: MicroBatch, logits):
-        logp = mb.gather(vocab_parallel.token_log_probs(logits[0], mb.targets[0]))
+        logp = mb.gather(vocab_parallel.token_log_probs(logits, mb.targets))
         mask = mb.resp_mask
         loss = -(logp * mask).sum() / counts["tokens"]
         return loss, {"sft/nll": loss.detach()}
@@ -99,7 +99,7 @@ def sft(cfg, max_steps: int | None = None, save_to: str | None = None) -> dict:
         local = ppo.split_minibatches(batch, len(batch), step, dp_rank, dp_size)[0]
         counts = ppo.global_counts(local, dp_group)
         actor.set_lr(step)
-        metrics = actor.train_step(ppo.microbatches(local, cfg.actor.max_tokens_per_microbatch), nll_loss_fn(counts))
+        metrics = actor.train_step(local, nll_loss_fn(counts))
         nll = metrics["sft/nll"]
         if not torch.isfinite(torch.tensor(nll)):
             raise FloatingPointError(f"SFT step {step}: NLL is {nll}; stopping without saving")

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megarl.trainer.batch import MicroBatch
+from megarl.trainer.batch import MicroBatch, build_microbatch
 
 # the distributed optimizer's reshardable format: loads under another DP / TP / PP layout
 OPTIM_CKPT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -44,7 +44,8 @@ def lr_at(step: int, optim, total_steps: int) -> float:
 
 class TrainModel:
     def __init__(self, hf_config, optim=None, *, value_head: bool = False, dtype: str = "fp32",
-                 impl: str = "local", total_steps: int = 1, padded_vocab: int | None = None, seed: int = 0):
+                 impl: str = "local", total_steps: int = 1, padded_vocab: int | None = None, seed: int = 0,
+                 batching=None):
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads
@@ -56,6 +57,10 @@ class TrainModel:
         self.value_head = value_head
         self.total_steps = total_steps
         self.use_te = impl == "transformer_engine"
+        batching = batching or optim  # micro-batching settings (an OptimConfig); ref models borrow the actor's
+        self.max_tokens = batching.max_tokens_per_microbatch if batching else 32768
+        self.row_tokens = None if self.use_te or not batching else batching.pack_row_tokens
+        self.hf_source_dir: str | None = None  # copied into checkpoints (tokenizer files)
         chunks = build_model(hf_config, value_head=value_head, dtype=dtype, impl=impl,
                              padded_vocab=padded_vocab, seed=seed)
         self.chunks = chunks if isinstance(chunks, list) else [chunks]
@@ -111,6 +116,13 @@ class TrainModel:
             group["lr"] = lr
         return lr
 
+    def microbatches(self, trajs) -> list[MicroBatch]:
+        """Token-budget micro-batches (first-fit-decreasing, whole sequences), packed into rows."""
+        from megarl.data.packing import token_budget_microbatches
+
+        groups = token_budget_microbatches([t.length for t in trajs], self.max_tokens)
+        return [build_microbatch([trajs[i] for i in g], self.row_tokens) for g in groups]
+
     # ---- forward / backward ----------------------------------------------------------------
     def _forward_step(self, loss_fn: LossFn, scale: float):
         def forward_step(data_iterator, model):
@@ -145,9 +157,10 @@ class TrainModel:
         )
 
     @torch.no_grad()
-    def forward_only(self, microbatches: list[MicroBatch], per_token_fn, keys: list[str]) -> None:
+    def forward_only(self, trajs, per_token_fn, keys: list[str]) -> None:
         """Runs `per_token_fn(mb, output) -> dict[key, [n, T] tensor]` on every micro-batch and
         stores the results on the trajectories, on every PP stage (broadcast from the last)."""
+        microbatches = self.microbatches(trajs)
         for c in self.chunks:
             c.eval()
 
@@ -179,9 +192,10 @@ class TrainModel:
                 for t, v in zip(trajs, flat.split([len(t.response_ids) for t in trajs])):
                     t.tensors[key] = v.clone()
 
-    def train_step(self, microbatches: list[MicroBatch], loss_fn: LossFn) -> dict[str, float]:
+    def train_step(self, trajs, loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step over the mini-batch's local micro-batches. Returns summed metrics
         (already normalised by global denominators in loss_fn) plus grad_norm."""
+        microbatches = self.microbatches(trajs)
         for c in self.chunks:
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -195,14 +209,14 @@ class TrainModel:
         return metrics
 
     # ---- checkpoints -----------------------------------------------------------------------
-    def save(self, path: str, hf_source_dir: str | None = None) -> None:
+    def save(self, path: str) -> None:
         """Collective: <path>/model (+ hf/ and metadata, see megarl.weights.dist_ckpt) and, when
         training, <path>/optimizer (torch_dist, reloadable under another DP/TP/PP layout)."""
         from megatron.core import dist_checkpointing
 
         from megarl.weights import dist_ckpt
 
-        dist_ckpt.save_megatron_checkpoint(self.chunks, path, self.hf_config, hf_source_dir)
+        dist_ckpt.save_megatron_checkpoint(self.chunks, path, self.hf_config, self.hf_source_dir)
         if self.optimizer is not None:
             if dist.get_rank() == 0:
                 Path(path, "optimizer").mkdir(parents=True, exist_ok=True)

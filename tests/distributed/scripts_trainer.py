@@ -53,13 +53,13 @@ def case_layouts(cfg, hf_config) -> dict:
         model.optimizer.reload_model_params()
         trajs = fixed_batch(hf_config.vocab_size)
         ppo.set_masks(trajs, cfg)
-        ppo.compute_log_probs(model, trajs, "old_logprobs", 1.0, 64)
+        ppo.compute_log_probs(model, trajs, "old_logprobs", 1.0)
         for t in trajs:  # make the clip active on some tokens
             t.tensors["old_logprobs"] = t.tensors["old_logprobs"] + 0.3 * torch.sin(torch.arange(len(t.response_ids)))
         losses, norms = [], []
         for step in range(2):
             mbs = ppo.split_minibatches(trajs, len(trajs), step, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
-            m = ppo.update(model, mbs, lambda c: ppo.actor_loss_fn(cfg, c, 1.0), 24, ps.get_data_parallel_group(), "loss_mask")
+            m = ppo.update(model, mbs, lambda c: ppo.actor_loss_fn(cfg, c, 1.0), ps.get_data_parallel_group(), "loss_mask")
             losses.append(m["actor/pg_loss"])
             norms.append(m["grad_norm"])
         out[f"tp{tp}_pp{pp}"] = {"losses": losses, "grad_norms": norms,
@@ -93,12 +93,12 @@ def case_nan(cfg, hf_config, root: Path) -> dict:
     model.load(str(latest / "actor"))
     trajs = fixed_batch(hf_config.vocab_size)
     ppo.set_masks(trajs, cfg)
-    ppo.compute_log_probs(model, trajs, "old_logprobs", 1.0, 64)
+    ppo.compute_log_probs(model, trajs, "old_logprobs", 1.0)
     trajs[0].tensors["advantages"][0] = float("nan")
     error = ""
     try:
         mbs = ppo.split_minibatches(trajs, len(trajs), 0, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
-        ppo.update(model, mbs, lambda c: ppo.actor_loss_fn(cfg, c, 1.0), 64, ps.get_data_parallel_group(), "loss_mask")
+        ppo.update(model, mbs, lambda c: ppo.actor_loss_fn(cfg, c, 1.0), ps.get_data_parallel_group(), "loss_mask")
     except FloatingPointError as e:
         error = str(e)
     after = checkpoint.read_latest(root / "resumed")
