@@ -2,16 +2,17 @@
 
 Problem text ``"347+85"``; prompt (template ``arith``) ``"Q: 347+85=?\\n"``; reference response::
 
-    7+5+0=12
-    4+8+1=13
-    3+0+1=4
+    7+5+0=12 2
+    4+8+1=13 32
+    3+0+1=4 432
     Answer: 432
 
-One line per column from the right: ``<digit of a>+<digit of b>+<carry in>=<column sum>``, where
-a missing digit is written 0 and the carry into the next column is the tens digit of the column
-sum. The last line is DAPO-style ``Answer: <n>`` so the math verifier scores it. Every column
-line has the same shape, so a tiny model learns the procedure quickly; copying the answer digits
-back in reverse order (plus the final carry) is the only long-range step.
+One line per column from the right: ``<digit of a>+<digit of b>+<carry in>=<column sum>`` and
+then the answer so far: the column's last digit written in front of the previous line's answer
+(the last column writes its whole sum). A missing digit is written 0; the carry into the next
+column is the tens digit of the column sum. The last line is DAPO-style ``Answer: <n>`` so the
+math verifier scores it. Every step is local (the answer grows by one digit per line and the
+final line copies it), so a tiny model learns the procedure quickly.
 
 Operand sampling: the digit count is uniform in 1..digits, then the value is uniform among
 numbers with that many digits (0..9 for one digit).
@@ -44,12 +45,14 @@ def cot_response(a: int, b: int) -> str:
     if a < 0 or b < 0:
         raise ValueError(f"arith: operands must be non-negative, got {a}, {b}")
     da, db = str(a)[::-1], str(b)[::-1]
-    lines, carry = [], 0
-    for i in range(max(len(da), len(db))):
+    lines, carry, so_far = [], 0, ""
+    n = max(len(da), len(db))
+    for i in range(n):
         x = int(da[i]) if i < len(da) else 0
         y = int(db[i]) if i < len(db) else 0
         s = x + y + carry
-        lines.append(f"{x}+{y}+{carry}={s}")
+        so_far = (str(s) if i == n - 1 else str(s % 10)) + so_far
+        lines.append(f"{x}+{y}+{carry}={s} {so_far}")
         carry = s // 10
     lines.append(f"Answer: {a + b}")
     return "\n".join(lines)

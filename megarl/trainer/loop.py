@@ -62,10 +62,12 @@ def train(cfg) -> dict:
         from megarl.weights import stream_hf_weights
 
         with timer("weight_sync"):
+            engine.resume_memory()
             engine.update_weights(stream_hf_weights(actor.modules, hf_config, ro.weight_bucket_mb << 20))
 
     def evaluate(step: int) -> dict[str, float]:
         """avg@k accuracy (pass@1 averaged over k samples) per eval set and over all sets."""
+        engine.resume_memory()
         out = {}
         for ev in data.evals:
             s = {"n_samples": cfg.eval.n_samples, "temperature": cfg.eval.temperature,
@@ -92,7 +94,9 @@ def train(cfg) -> dict:
         t_step = time.perf_counter()
         # ---- rollout -----------------------------------------------------------------------------
         with timer("rollout"):
+            engine.resume_memory()
             batch, metrics = collect_step_batch(next_items, data.encode, worker, cfg, step, ds_buffer)
+            engine.release_memory()  # colocated: the engine's memory goes back to training
         ppo.set_masks(batch, cfg)
         minibatches = ppo.split_minibatches(batch, al.mini_batch_size, cfg.trainer.seed + step, dp_rank, dp_size)
         local = [t for mb in minibatches for t in mb]

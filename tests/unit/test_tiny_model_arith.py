@@ -15,13 +15,14 @@ from megarl.tasks.arith import cot_response, extract_answer, make_problem, write
 from megarl.tasks.tiny_model import TinyModelSpec, build_byte_tokenizer, save_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
-LINE = re.compile(r"^(\d)\+(\d)\+([01])=(\d+)$")
+LINE = re.compile(r"^(\d)\+(\d)\+([01])=(\d+) (\d+)$")
 
 
 def test_cot_hand_examples():
-    assert cot_response(347, 85) == "7+5+0=12\n4+8+1=13\n3+0+1=4\nAnswer: 432"
-    assert cot_response(999, 1) == "9+1+0=10\n9+0+1=10\n9+0+1=10\nAnswer: 1000"
-    assert cot_response(0, 0) == "0+0+0=0\nAnswer: 0"
+    assert cot_response(347, 85) == "7+5+0=12 2\n4+8+1=13 32\n3+0+1=4 432\nAnswer: 432"
+    assert cot_response(999, 1) == "9+1+0=10 0\n9+0+1=10 00\n9+0+1=10 1000\nAnswer: 1000"
+    assert cot_response(9, 4) == "9+4+0=13 13\nAnswer: 13"
+    assert cot_response(0, 0) == "0+0+0=0 0\nAnswer: 0"
     assert extract_answer(cot_response(347, 85)) == "432"
     assert extract_answer("7+5+0=12") is None
 
@@ -35,11 +36,14 @@ def check_cot(prompt: str, answer: str, cot: str) -> None:
     assert len(cols) == max(len(str(a)), len(str(b)))
     carry, digits = 0, []
     for k, line in enumerate(cols):
-        x, y, c, s = map(int, LINE.fullmatch(line).groups())
+        x, y, c, s, so_far = LINE.fullmatch(line).groups()
+        x, y, c, s = int(x), int(y), int(c), int(s)
         assert (x, y, c) == ((a // 10**k) % 10, (b // 10**k) % 10, carry)
         assert s == x + y + c
         digits.append(s % 10)
         carry = s // 10
+        tail = "".join(map(str, digits[::-1]))  # the answer digits found so far
+        assert so_far == (str(s) + tail[1:] if k == len(cols) - 1 else tail)
     assert int("".join(map(str, ([carry] if carry else []) + digits[::-1]))) == a + b
 
 
