@@ -19,7 +19,7 @@ quickstart: $(STAMP)
 	$(VENV)/bin/megarl quickstart $(ARGS)
 
 test: $(STAMP)
-	$(VENV)/bin/pytest -q tests
+	$(VENV)/bin/pytest tests
 
 bench: $(STAMP)
 	$(VENV)/bin/python tools/bench_algorithms.py

@@ -114,6 +114,10 @@ class RolloutConfig:
     )
     gen_batch_prompts: int | None = doc_field(None, "prompts generated per round; null = prompts_per_step (DAPO: 3x)")
     max_gen_batches: int = doc_field(10, "dynamic sampling: generation rounds before giving up with an error")
+    carry_over_groups: bool = doc_field(
+        False, "dynamic sampling: keep accepted groups beyond prompts_per_step for the next step (checkpointed); "
+        "false = truncate to the batch and drop them (verl recipe/dapo)"
+    )
 
 
 @dataclass

@@ -110,8 +110,9 @@ def collect_step_batch(next_items, encode, worker: RolloutWorker, cfg, step: int
     """Returns the trajectories of one step (prompts_per_step groups) and rollout metrics.
 
     Without dynamic sampling: one round of prompts_per_step prompts. With it (DAPO Algorithm 1):
-    rounds of gen_batch_prompts prompts; mixed groups go into `buffer` (carried across steps and
-    checkpointed) until it holds prompts_per_step groups; more than max_gen_batches rounds raise.
+    rounds of gen_batch_prompts prompts; mixed groups go into `buffer` until it holds
+    prompts_per_step groups; more than max_gen_batches rounds raise. The surplus is dropped, or
+    with rollout.carry_over_groups kept in `buffer` (checkpointed) for the next step.
     """
     ro = cfg.rollout
     stats = {"rollout/rounds": 0.0, "rollout/generated_groups": 0.0}
@@ -138,6 +139,8 @@ def collect_step_batch(next_items, encode, worker: RolloutWorker, cfg, step: int
         rnd += 1
     stats["rollout/rounds"] = float(rnd)
     taken, buffer[:] = buffer[: ro.prompts_per_step], buffer[ro.prompts_per_step :]
+    if not ro.carry_over_groups:
+        buffer.clear()  # ALGORITHMS.md §2: truncate to exactly prompts_per_step groups
     batch = [t for g in taken for t in g]
     stats["rollout/kept_group_frac"] = len(taken) / max(stats["rollout/generated_groups"], 1.0)
     return batch, {**stats, **_generation_metrics(all_generated or batch, batch), **worker.metrics}
