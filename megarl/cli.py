@@ -19,6 +19,7 @@ def _setup_logging() -> None:
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"[rank{rank}] %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("megatron").setLevel(logging.WARNING)  # per-bucket / optimizer-config dumps
     if rank != 0:
         import warnings
 
