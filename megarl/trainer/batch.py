@@ -48,13 +48,9 @@ class MicroBatch:
     resp_mask: torch.Tensor  # [n, T] 1.0 for real response tokens
     trajectories: list[Trajectory]
 
-    def padded(self, key: str, dtype=torch.float32) -> torch.Tensor:
+    def padded(self, key: str) -> torch.Tensor:
         """[n, T] view of a per-token trajectory tensor (0 where padded)."""
-        out = torch.zeros(self.resp_mask.shape, dtype=dtype)
-        for i, t in enumerate(self.trajectories):
-            v = t.tensors[key]
-            out[i, : v.numel()] = v.to(dtype)
-        return out
+        return response_tensor(self.trajectories, key)[0]
 
     def gather(self, per_position: torch.Tensor) -> torch.Tensor:
         """[rows, S] (any shape with rows*S elements) packed values -> [n, T] response view."""

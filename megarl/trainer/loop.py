@@ -6,6 +6,7 @@ step:  sync weights -> rollout (generate, reward, shape, filter) -> prepare (old
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import random
@@ -182,9 +183,8 @@ def _check_finite(metrics: dict[str, float], step: int) -> None:
 
 
 def _traj_state(t: Trajectory) -> dict:
-    return {"uid": t.uid, "prompt_ids": t.prompt_ids, "response_ids": t.response_ids,
-            "rollout_logprobs": t.rollout_logprobs, "finish_reason": t.finish_reason,
-            "score": t.score, "acc": t.acc, "data_source": t.data_source}
+    """A buffered trajectory as plain values (its computed tensors are recomputed each step)."""
+    return {f.name: getattr(t, f.name) for f in dataclasses.fields(Trajectory) if f.name != "tensors"}
 
 
 def _get_rng() -> dict:

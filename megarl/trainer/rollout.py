@@ -59,7 +59,7 @@ class RolloutWorker:
             samples = self.engine.generate(local_prompts, local_sampling)
             trajs, reward_metrics = self._score(local_items, samples)
         gathered = all_gather_list(trajs)
-        self.metrics = _mean_over_ranks(reward_metrics)
+        self.metrics = _sum_over_ranks(reward_metrics)
         return gathered
 
     def _score(self, items, samples) -> tuple[list[Trajectory], dict[str, float]]:
@@ -87,10 +87,10 @@ class RolloutWorker:
         return trajs, {k: float(v) for k, v in metrics.items()}
 
 
-def _mean_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
+def _sum_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
     parts = all_gather_list([metrics])
     keys = sorted({k for p in parts for k in p})
-    return {k: sum(p.get(k, 0.0) for p in parts) for k in keys}  # counts: summed over ranks
+    return {k: sum(p.get(k, 0.0) for p in parts) for k in keys}  # reward metrics are counts and sums
 
 
 def group_by_uid(trajs: list[Trajectory]) -> list[list[Trajectory]]:
