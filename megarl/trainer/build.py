@@ -6,7 +6,6 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch.distributed as dist
 
 from megarl.trainer.train_model import TrainModel
 
