@@ -172,7 +172,7 @@ class OptimConfig:
         "with the row length squared); null = one packed row per micro-batch (TE THD path)"
     )
     use_distributed_optimizer: bool = doc_field(True, "shard fp32 master weights and Adam states over DP (x CP)")
-    offload_optimizer: bool = doc_field(False, "keep optimizer state on CPU outside the optimizer step")
+    offload_optimizer: bool = doc_field(False, "Adam state and update on the CPU (megatron HybridDeviceOptimizer; GPU runs only)")
 
 
 @dataclass

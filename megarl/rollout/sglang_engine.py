@@ -79,6 +79,7 @@ class SGLangEngine:
         self.vocab_size = int(config["vocab_size"])
         self.weights_valid = load_format != "dummy"
         self.weight_version = 0
+        self.released = False
         self.tokenizer = None
         self._engine = None
 
@@ -221,14 +222,24 @@ class SGLangEngine:
         self.weight_version += 1
 
     def release_memory(self) -> None:
+        """Frees the engine's GPU memory (weights and KV cache); a no-op when already released."""
+        if self.released:
+            return
         run_on_owner(lambda: self._engine.release_memory_occupation(), self.group)
+        self.released = True
 
     def resume_memory(self) -> None:
+        """Takes the memory back; a no-op unless released. Weights are garbage afterwards unless
+        enable_weights_cpu_backup: stream them before the next generate."""
+        if not self.released:
+            return
+
         def resume():
             self._engine.resume_memory_occupation()
-            self.weights_valid = self.cpu_backup
 
         run_on_owner(resume, self.group)
+        self.weights_valid = self.cpu_backup
+        self.released = False
 
     def shutdown(self) -> None:
         if self._engine is not None:

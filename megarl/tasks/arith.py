@@ -14,8 +14,11 @@ column is the tens digit of the column sum. The last line is DAPO-style ``Answer
 math verifier scores it. Every step is local (the answer grows by one digit per line and the
 final line copies it), so a tiny model learns the procedure quickly.
 
-Operand sampling: the digit count is uniform in 1..digits, then the value is uniform among
-numbers with that many digits (0..9 for one digit).
+Operand sampling: both operands have exactly ``digits`` digits, uniform among such numbers
+(0..9 for one digit). Fixed-width operands matter for RL: with mixed widths (1..3 digits) the
+tiny model's early errors are mostly misread digit positions, which GRPO barely moves
+(0.21 -> ~0.40 greedy in 100 steps of plain single-process GRPO); with fixed width the same
+GRPO goes 0.255 -> 0.605 in 30 steps (tools/probe_arith_grpo.py).
 """
 
 from __future__ import annotations
@@ -32,8 +35,8 @@ ANSWER_RE = re.compile(r"^Answer: (-?\d+)$")
 
 
 def sample_operand(rng: random.Random, digits: int) -> int:
-    n = rng.randint(1, digits)
-    return rng.randint(0, 9) if n == 1 else rng.randint(10 ** (n - 1), 10**n - 1)
+    """A uniform number with exactly `digits` digits (0..9 for one digit)."""
+    return rng.randint(0, 9) if digits == 1 else rng.randint(10 ** (digits - 1), 10**digits - 1)
 
 
 def problem_text(a: int, b: int) -> str:

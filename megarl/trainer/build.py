@@ -85,7 +85,31 @@ def build_engine(cfg, hf_config, tokenizer):
     if cfg.rollout.engine == "builtin":
         return make_engine("builtin", config=hf_config, tokenizer=tokenizer)
     return make_engine("sglang", model_path=cfg.model.hf_path, tp_size=cfg.parallel.rollout_tp,
-                       mem_fraction_static=cfg.rollout.mem_fraction)
+                       group=engine_group(cfg.parallel.rollout_tp), mem_fraction_static=cfg.rollout.mem_fraction)
+
+
+def engine_group(tp: int):
+    """The gloo group of the `tp` consecutive ranks (one node) that share this rank's engine.
+
+    Every rank creates every group (torch.distributed requires it); None when tp == 1.
+    """
+    import os
+
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if tp == 1:
+        return None
+    if world % tp or local % tp:
+        raise ValueError(f"parallel.rollout_tp={tp} must divide the ranks per node ({local}) and the world ({world}): "
+                         "an engine's ranks must share a node")
+    mine = None
+    for start in range(0, world, tp):
+        group = dist.new_group(list(range(start, start + tp)), backend="gloo")
+        if start <= rank < start + tp:
+            mine = group
+    return mine
 
 
 def build_rewards(cfg):

@@ -6,6 +6,7 @@ step:  sync weights -> rollout (generate, reward, shape, filter) -> prepare (old
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -39,7 +40,8 @@ def train(cfg) -> dict:
     critic = build.build_critic(cfg, hf_config, actor) if cfg.critic.enable else None
     ref = build.build_actor(cfg, hf_config, optim=False) if al.kl_coef > 0 else None
     engine = build.build_engine(cfg, hf_config, tokenizer)
-    worker = RolloutWorker(engine, tokenizer, build.build_rewards(cfg), cfg)
+    worker = RolloutWorker(engine, tokenizer, build.build_rewards(cfg), cfg,
+                           ranks_per_engine=cfg.parallel.rollout_tp if ro.engine == "sglang" else 1)
     data = build.build_data(cfg, tokenizer)
     dp_group, dp_rank, dp_size = ps.get_data_parallel_group(), ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     logger, timer = MetricsLogger(cfg.trainer.run_dir, cfg.trainer.tensorboard), PhaseTimer()
@@ -59,6 +61,21 @@ def train(cfg) -> dict:
         if rank0:
             log.info("resumed from %s at step %d", latest, start_step)
 
+    train_models = [m for m in (actor, critic, ref) if m is not None]
+
+    @contextlib.contextmanager
+    def engine_has_gpu():
+        """Generation phase: actor/critic/ref state leaves the GPU (rollout.offload_train_state; GPU only)."""
+        if ro.offload_train_state:
+            for m in train_models:
+                m.offload()
+        engine.resume_memory()
+        try:
+            yield
+        finally:
+            for m in train_models:
+                m.onload()
+
     def sync_weights():
         from megarl.weights import stream_hf_weights
 
@@ -68,14 +85,14 @@ def train(cfg) -> dict:
 
     def evaluate(step: int) -> dict[str, float]:
         """avg@k accuracy (pass@1 averaged over k samples) per eval set and over all sets."""
-        engine.resume_memory()
         out = {}
         for ev in data.evals:
             s = {"n_samples": cfg.eval.n_samples, "temperature": cfg.eval.temperature,
                  "top_p": cfg.eval.top_p, "max_new_tokens": cfg.eval.max_new_tokens, **ev.sampling}
             sampling = SamplingParams(n=s["n_samples"], temperature=s["temperature"], top_p=s["top_p"],
                                       max_new_tokens=s["max_new_tokens"], seed=cfg.trainer.seed + step)
-            trajs = worker.generate(ev.items, data.encode(ev.items), sampling)
+            with engine_has_gpu():
+                trajs = worker.generate(ev.items, data.encode(ev.items), sampling)
             out[f"eval/{ev.name}/accuracy"] = sum(t.acc for t in trajs) / max(len(trajs), 1)
             out[f"eval/{ev.name}/response_length"] = sum(len(t.response_ids) for t in trajs) / max(len(trajs), 1)
         if out:
@@ -94,8 +111,7 @@ def train(cfg) -> dict:
     for step in range(start_step, cfg.trainer.total_steps):
         t_step = time.perf_counter()
         # ---- rollout -----------------------------------------------------------------------------
-        with timer("rollout"):
-            engine.resume_memory()
+        with timer("rollout"), engine_has_gpu():
             batch, metrics = collect_step_batch(next_items, data.encode, worker, cfg, step, ds_buffer)
             engine.release_memory()  # colocated: the engine's memory goes back to training
         ppo.set_masks(batch, cfg)
@@ -127,8 +143,7 @@ def train(cfg) -> dict:
                                               dp_group, "loss_mask"))
         _check_finite(metrics, step)
         metrics.update(_mismatch(local, dp_group))
-        if not pretraining_critic:
-            sync_weights()
+        sync_weights()  # also after critic-only steps: the released engine lost its weights (SGLang)
 
         # ---- log / eval / checkpoint ----------------------------------------------------------------
         done = step + 1

@@ -1,8 +1,8 @@
 """Rollout phase of a step: generate, score, shape, filter (DAPO dynamic sampling), gather.
 
-Every rank holds a rollout engine replica (colocated SPMD). Prompts are split across all ranks,
-each rank generates and scores its share, and the trajectories are all-gathered so every rank
-sees the same batch in the same order.
+Every rank holds a rollout engine replica (colocated SPMD; SGLang: one engine per rollout_tp
+ranks). Prompts are split across the engines, each engine generates and scores its share, and
+the trajectories are all-gathered so every rank sees the same batch in the same order.
 """
 
 from __future__ import annotations
@@ -40,24 +40,33 @@ def all_gather_list(local: list) -> list:
 class RolloutWorker:
     """Generates and scores trajectories for prompt items; one per rank."""
 
-    def __init__(self, engine, tokenizer, reward_manager, cfg):
+    def __init__(self, engine, tokenizer, reward_manager, cfg, ranks_per_engine: int = 1):
         self.engine = engine
         self.tokenizer = tokenizer
         self.rewards = reward_manager
         self.cfg = cfg
+        self.ranks_per_engine = ranks_per_engine  # consecutive ranks sharing one engine (SGLang rollout_tp)
         self.metrics: dict[str, float] = {}
 
     def generate(self, items, encoded: list[list[int]], sampling: SamplingParams) -> list[Trajectory]:
-        """Generates `sampling.n` responses per item on this rank's share, scores them, gathers."""
+        """Generates `sampling.n` responses per item on this engine's share, scores them, gathers.
+
+        Prompts are split across engines (one per rank for the builtin engine, one per
+        `rollout_tp` ranks for SGLang, whose group ranks all get the owner's samples back); the
+        engine's first rank scores and contributes its trajectories.
+        """
         rank, world = dist.get_rank(), dist.get_world_size()
-        local_items = shard_for_rank(items, rank, world)
-        local_prompts = shard_for_rank(encoded, rank, world)
+        per_engine = self.ranks_per_engine
+        replica, n_replicas = rank // per_engine, world // per_engine
+        local_items = shard_for_rank(items, replica, n_replicas)
+        local_prompts = shard_for_rank(encoded, replica, n_replicas)
         trajs: list[Trajectory] = []
         reward_metrics: dict[str, float] = {}
         if local_items:
-            local_sampling = SamplingParams(**{**sampling.__dict__, "seed": (sampling.seed or 0) * 1009 + rank})
-            samples = self.engine.generate(local_prompts, local_sampling)
-            trajs, reward_metrics = self._score(local_items, samples)
+            seed = (sampling.seed or 0) * 1009 + replica
+            samples = self.engine.generate(local_prompts, SamplingParams(**{**sampling.__dict__, "seed": seed}))
+            if rank % per_engine == 0:
+                trajs, reward_metrics = self._score(local_items, samples)
         gathered = all_gather_list(trajs)
         self.metrics = _sum_over_ranks(reward_metrics)
         return gathered

@@ -66,6 +66,7 @@ class TrainModel:
         self.chunks = chunks if isinstance(chunks, list) else [chunks]
         self.config = self.chunks[0].config
         self.optimizer = None
+        self._offloaded = False
         if optim is not None:
             ddp_cfg = DistributedDataParallelConfig(
                 grad_reduce_in_fp32=True, use_distributed_optimizer=optim.use_distributed_optimizer
@@ -81,11 +82,17 @@ class TrainModel:
     def _make_optimizer(self, optim, dtype):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+        if optim.offload_optimizer and not torch.cuda.is_available():
+            raise ValueError("offload_optimizer=true keeps optimizer state on the CPU instead of the GPU, "
+                             "but there is no GPU here: set it to false")
         cfg = OptimizerConfig(
             optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
             adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
             clip_grad=optim.clip_grad, use_distributed_optimizer=optim.use_distributed_optimizer,
             bf16=dtype == "bf16", fp16=dtype == "fp16", params_dtype=_torch_dtype(dtype),
+            # megatron's HybridDeviceOptimizer: Adam state and step on the CPU (GPU only)
+            optimizer_cpu_offload=optim.offload_optimizer,
+            optimizer_offload_fraction=1.0 if optim.offload_optimizer else 0.0,
         )
         return get_megatron_optimizer(cfg, self.chunks)
 
@@ -122,6 +129,47 @@ class TrainModel:
 
         groups = token_budget_microbatches([t.length for t in trajs], self.max_tokens)
         return [build_microbatch([trajs[i] for i in g], self.row_tokens) for g in groups]
+
+    # ---- GPU memory between phases -----------------------------------------------------------
+    def offload(self) -> None:
+        """Frees this model's GPU memory while the colocated rollout engine generates.
+
+        Optimizer state (and fp32 main params) go to CPU first, then megatron DDP's param/grad
+        buffers (params to a pinned CPU copy, grads dropped: they are zeroed before every update);
+        a forward-only model (reference) moves its parameters to CPU. No-op without CUDA.
+        """
+        if not torch.cuda.is_available() or self._offloaded:
+            return
+        if self.optimizer is not None:
+            self.optimizer.offload_to_cpu()  # before the buffers: its shards may view them
+        for c in self.chunks:
+            buffers = getattr(c, "buffers", None)
+            if buffers is None:
+                for p in c.parameters():
+                    p.data = p.data.to("cpu")
+                continue
+            for buf in buffers + c.expert_parallel_buffers:
+                buf.offload_to_cpu(move_params=True, move_grads=True)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        self._offloaded = True
+
+    def onload(self) -> None:
+        """Undoes `offload` (buffers first, then the optimizer state)."""
+        if not self._offloaded:
+            return
+        for c in self.chunks:
+            buffers = getattr(c, "buffers", None)
+            if buffers is None:
+                for p in c.parameters():
+                    p.data = p.data.to(torch.cuda.current_device(), non_blocking=True)
+                continue
+            for buf in buffers + c.expert_parallel_buffers:
+                buf.reload_from_cpu(move_params=True, move_grads=True)
+        if self.optimizer is not None:
+            self.optimizer.restore_from_cpu()
+        torch.cuda.synchronize()
+        self._offloaded = False
 
     # ---- forward / backward ----------------------------------------------------------------
     def _forward_step(self, loss_fn: LossFn, scale: float):

@@ -1,0 +1,25 @@
+"""Rollout engines shared by several ranks (SGLang rollout_tp): groups and prompt sharding, 4 gloo ranks."""
+
+from collections import Counter
+
+from tests.distributed.launch import REPO, run_torchrun
+
+
+def test_engine_groups_and_sharding(tmp_path):
+    from megarl.tasks.tiny_model import TinyModelSpec, save_tiny_model
+
+    save_tiny_model(tmp_path / "model", TinyModelSpec(layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64))
+    parts = run_torchrun(REPO / "tests/distributed/scripts_rollout_groups.py", 4,
+                         ["--model", str(tmp_path / "model")], tmp_path / "out.json")
+    assert [p["members"] for p in parts] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    expected = Counter({f"u{i}": 3 for i in range(6)})  # every prompt once, n=3 samples each
+    for per_engine in (1, 2):
+        uids = [p[f"uids_{per_engine}"] for p in parts]
+        assert all(u == uids[0] for u in uids), per_engine  # every rank sees the same batch
+        assert Counter(uids[0]) == expected, per_engine
+        assert all(p[f"scored_{per_engine}"] == 18.0 for p in parts), per_engine  # scored once, summed over ranks
+    asked = [p["asked_1"] for p in parts]  # one engine per rank: four disjoint shares
+    assert sorted(q for a in asked for q in a) == sorted(f"Q: {i}+{i}=?\n" for i in range(6))
+    asked = [p["asked_2"] for p in parts]  # one engine per pair: both ranks of a pair ask for the same share
+    assert asked[0] == asked[1] and asked[2] == asked[3] and asked[0] != asked[2]
+    assert sorted(asked[0] + asked[2]) == sorted(f"Q: {i}+{i}=?\n" for i in range(6))
