@@ -143,12 +143,11 @@ class TrainModel:
         if self.optimizer is not None:
             self.optimizer.offload_to_cpu()  # before the buffers: its shards may view them
         for c in self.chunks:
-            buffers = getattr(c, "buffers", None)
-            if buffers is None:
+            if not _is_ddp(c):
                 for p in c.parameters():
                     p.data = p.data.to("cpu")
                 continue
-            for buf in buffers + c.expert_parallel_buffers:
+            for buf in c.buffers + c.expert_parallel_buffers:
                 buf.offload_to_cpu(move_params=True, move_grads=True)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -159,12 +158,11 @@ class TrainModel:
         if not self._offloaded:
             return
         for c in self.chunks:
-            buffers = getattr(c, "buffers", None)
-            if buffers is None:
+            if not _is_ddp(c):
                 for p in c.parameters():
                     p.data = p.data.to(torch.cuda.current_device(), non_blocking=True)
                 continue
-            for buf in buffers + c.expert_parallel_buffers:
+            for buf in c.buffers + c.expert_parallel_buffers:
                 buf.reload_from_cpu(move_params=True, move_grads=True)
         if self.optimizer is not None:
             self.optimizer.restore_from_cpu()
@@ -287,6 +285,13 @@ class TrainModel:
             sd = self.optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=OPTIM_CKPT_METADATA)
             state = dist_checkpointing.load(sd, str(opt_dir))
             self.optimizer.load_state_dict(state)
+
+
+def _is_ddp(chunk) -> bool:
+    """A megatron DDP wrapper (its `buffers` attribute is the list of param/grad buffers)."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    return isinstance(chunk, DistributedDataParallel)
 
 
 def _torch_dtype(name: str) -> torch.dtype:
