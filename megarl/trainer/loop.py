@@ -86,15 +86,15 @@ def train(cfg) -> dict:
     def evaluate(step: int) -> dict[str, float]:
         """avg@k accuracy (pass@1 averaged over k samples) per eval set and over all sets."""
         out = {}
-        for ev in data.evals:
-            s = {"n_samples": cfg.eval.n_samples, "temperature": cfg.eval.temperature,
-                 "top_p": cfg.eval.top_p, "max_new_tokens": cfg.eval.max_new_tokens, **ev.sampling}
-            sampling = SamplingParams(n=s["n_samples"], temperature=s["temperature"], top_p=s["top_p"],
-                                      max_new_tokens=s["max_new_tokens"], seed=cfg.trainer.seed + step)
-            with engine_has_gpu():
+        with engine_has_gpu():  # one offload for all eval sets
+            for ev in data.evals:
+                s = {"n_samples": cfg.eval.n_samples, "temperature": cfg.eval.temperature,
+                     "top_p": cfg.eval.top_p, "max_new_tokens": cfg.eval.max_new_tokens, **ev.sampling}
+                sampling = SamplingParams(n=s["n_samples"], temperature=s["temperature"], top_p=s["top_p"],
+                                          max_new_tokens=s["max_new_tokens"], seed=cfg.trainer.seed + step)
                 trajs = worker.generate(ev.items, data.encode(ev.items), sampling)
-            out[f"eval/{ev.name}/accuracy"] = sum(t.acc for t in trajs) / max(len(trajs), 1)
-            out[f"eval/{ev.name}/response_length"] = sum(len(t.response_ids) for t in trajs) / max(len(trajs), 1)
+                out[f"eval/{ev.name}/accuracy"] = sum(t.acc for t in trajs) / max(len(trajs), 1)
+                out[f"eval/{ev.name}/response_length"] = sum(len(t.response_ids) for t in trajs) / max(len(trajs), 1)
         if out:
             out["eval/accuracy"] = sum(v for k, v in out.items() if k.endswith("/accuracy")) / len(data.evals)
             logger.log(step, out)
