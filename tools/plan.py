@@ -322,7 +322,7 @@ def step_time(cfg: MegaRLConfig, arch: Arch, gpu: GPU, world: int, kv_tokens: fl
               decode_eff: float, gen_rounds: int) -> dict[str, float]:
     r, a, p = cfg.rollout, cfg.algorithm, cfg.parallel
     prompt = avg_prompt_len if avg_prompt_len is not None else min(256, cfg.data.max_prompt_len)
-    gen_cap = r.window or r.max_new_tokens
+    gen_cap = r.max_new_tokens
     resp = avg_response_len if avg_response_len is not None else r.max_new_tokens // 2
     resp = min(resp, gen_cap)
     seq = prompt + resp

@@ -27,7 +27,6 @@ def doc_field(default: Any, doc: str) -> Any:
     return dataclasses.field(default=default, metadata={"doc": doc})
 
 
-AdvantageName = Literal["gae", "grpo", "rloo", "reinforce_pp", "egae"]
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 KLType = Literal["k1", "k2", "k3", "abs"]
 DecayStyle = Literal["constant", "linear", "cosine"]
@@ -85,6 +84,7 @@ class DataConfig:
     )
     prompt_key: str = doc_field("problem", "row field holding the prompt / problem text")
     answer_key: str = doc_field("answer", "row field holding the ground-truth answer")
+    reference_key: str = doc_field("reference", "row field holding a reference / anchor response (GenRM, Pairwise-RL)")
     source_key: str = doc_field("data_source", "row field naming the reward route (e.g. math, code)")
     default_data_source: str = doc_field("math", "reward route for rows without source_key")
     prompt_template: str = doc_field("dapo", "prompt template name (dapo, boxed, raw, chat; see megarl.data)")
@@ -106,7 +106,10 @@ class RolloutConfig:
     fire: bool = doc_field(False, "FIRE sampling: first token at fire_temperature with fire_top_k")
     fire_temperature: float = doc_field(30.0, "FIRE first-token temperature")
     fire_top_k: int = doc_field(16, "FIRE first-token top-k")
-    window: int | None = doc_field(None, "T-PPO truncated-rollout window in tokens per step (e.g. 8192); null = full rollouts")
+    function: str | None = doc_field(
+        None, "custom rollout function 'package.module:function' with the signature of "
+        "megarl.trainer.rollout.collect_step_batch; null = the builtin one"
+    )
     weight_bucket_mb: int = doc_field(512, "bucket size for streaming weights into the engine (MiB)")
     mem_fraction: float = doc_field(0.6, "GPU memory fraction the engine reserves for weights + KV cache (SGLang mem_fraction_static)")
     offload_train_state: bool = doc_field(
@@ -123,10 +126,13 @@ class RolloutConfig:
 @dataclass
 class AlgorithmConfig:
     name: str = doc_field("grpo", "informational recipe name (dapo, vapo, ppo, ...)")
-    advantage: AdvantageName = doc_field("grpo", "advantage estimator")
+    advantage: str = doc_field(
+        "grpo", "advantage estimator: gae, egae, grpo, rloo, reinforce_pp, reinforce_pp_baseline, or "
+        "'package.module:function' (signature of megarl.algorithms.ADVANTAGES entries)"
+    )
     norm_adv_by_std: bool = doc_field(True, "GRPO: divide by the group std (false = Dr. GRPO)")
     whiten_advantages: bool = doc_field(False, "whiten advantages over all masked tokens of the batch (GAE)")
-    policy_loss: Literal["ppo"] = doc_field("ppo", "policy loss")
+    policy_loss: str = doc_field("ppo", "policy loss (megarl.algorithms.POLICY_LOSSES): ppo (clipped), vanilla_pg")
     loss_agg: LossAgg = doc_field("token-mean", "loss aggregation; denominators are global over the mini-batch")
     clip_low: float = doc_field(0.2, "PPO ratio clip epsilon below 1")
     clip_high: float = doc_field(0.2, "PPO ratio clip epsilon above 1 (clip-higher: > clip_low)")
@@ -138,12 +144,19 @@ class AlgorithmConfig:
     kl_coef: float = doc_field(0.0, "KL coefficient beta (0 = no reference model)")
     kl_type: KLType = doc_field("k3", "KL estimator")
     kl_in_reward: bool = doc_field(False, "apply KL as a per-token reward penalty instead of a loss term")
+    kl_target: float | None = doc_field(
+        None, "adaptive KL controller target (KL-in-reward only; Ziegler et al.): kl_coef is the initial "
+        "beta; null = fixed kl_coef"
+    )
+    kl_horizon: float = doc_field(10000.0, "adaptive KL controller horizon in samples")
     entropy_coef: float = doc_field(0.0, "entropy bonus coefficient")
     pos_lm_coef: float = doc_field(0.0, "VAPO positive-example NLL weight mu (0.1)")
     value_clip: float | None = doc_field(0.5, "value clipping epsilon; null = no clipping")
     dynamic_sampling: bool = doc_field(False, "DAPO: drop groups whose accuracy is 0 or 1 and resample")
     overlong_penalty: bool = doc_field(False, "DAPO soft overlong punishment")
-    overlong_max_len: int = doc_field(20480, "L_max of the soft overlong punishment")
+    overlong_max_len: int | None = doc_field(
+        None, "L_max of the soft overlong punishment (<= rollout.max_new_tokens); null = rollout.max_new_tokens"
+    )
     overlong_cache_len: int = doc_field(4096, "L_cache of the soft overlong punishment")
     overlong_factor: float = doc_field(1.0, "scale of the soft overlong punishment")
     overlong_filter: bool = doc_field(False, "mask out truncated samples from the loss")
@@ -202,7 +215,6 @@ class EvalConfig:
     temperature: float = doc_field(1.0, "eval sampling temperature")
     top_p: float = doc_field(0.7, "eval nucleus threshold")
     max_new_tokens: int = doc_field(20480, "eval generation cap")
-    every: int | None = doc_field(None, "evaluate every N steps; null = trainer.eval_interval")
 
 
 @dataclass

@@ -7,11 +7,14 @@ Each collects every problem and raises one :class:`ConfigError` naming the dotte
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from megarl.algorithms.registry import ADVANTAGES, POLICY_LOSSES
 from megarl.config.loader import ConfigError
 from megarl.config.schema import MegaRLConfig
+from megarl.plugins import is_dotted_path
 
 CRITIC_ADVANTAGES = ("gae", "egae")
 
@@ -31,6 +34,11 @@ class _Errors:
             raise ConfigError(self.items)
 
 
+def _suggest(name: str, names) -> str:
+    close = difflib.get_close_matches(name, list(names), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def validate_config(cfg: MegaRLConfig, where: Callable[[str], str] | None = None) -> None:
     """Cross-field rules that need no world size and no model config."""
     e = _Errors(where)
@@ -48,7 +56,8 @@ def validate_config(cfg: MegaRLConfig, where: Callable[[str], str] | None = None
     e.check(not m.sequence_parallel or p.tp > 1, "model.sequence_parallel", "needs parallel.tp > 1")
     e.check(m.fp8 is None or m.transformer_impl != "local", "model.fp8", "FP8 needs model.transformer_impl transformer_engine or auto")
     e.check(m.fp8 is None or m.dtype == "bf16", "model.fp8", f"FP8 training runs on bf16 parameters (model.dtype={m.dtype})")
-    e.check(p.cp == 1 or m.transformer_impl != "local", "parallel.cp", "context parallelism needs Transformer Engine (model.transformer_impl != local)")
+    e.check(p.cp == 1, "parallel.cp", f"context parallelism is not implemented in the trainer yet (nothing splits "
+            f"the batch over CP ranks); set parallel.cp=1 (got {p.cp})")
     e.check(m.recompute_num_layers >= 1, "model.recompute_num_layers", f"must be >= 1, got {m.recompute_num_layers}")
 
     e.check(d.max_prompt_len >= 1, "data.max_prompt_len", f"must be >= 1, got {d.max_prompt_len}")
@@ -62,8 +71,8 @@ def validate_config(cfg: MegaRLConfig, where: Callable[[str], str] | None = None
     e.check(0 < r.mem_fraction < 1, "rollout.mem_fraction", f"must be in (0, 1), got {r.mem_fraction}")
     e.check(r.weight_bucket_mb >= 1, "rollout.weight_bucket_mb", f"must be >= 1, got {r.weight_bucket_mb}")
     e.check(not r.fire or (r.fire_temperature > 0 and r.fire_top_k >= 1), "rollout.fire_top_k", "FIRE needs fire_temperature > 0 and fire_top_k >= 1")
-    e.check(r.window is None or 0 < r.window < r.max_new_tokens, "rollout.window", f"must be in (0, rollout.max_new_tokens={r.max_new_tokens}), got {r.window}")
-    e.check(r.window is None or a.advantage == "egae", "rollout.window", f"truncated rollouts need algorithm.advantage=egae (got {a.advantage})")
+    e.check(r.function is None or is_dotted_path(r.function), "rollout.function",
+            f"must be 'package.module:function' or null, got {r.function!r}")
     gen = r.gen_batch_prompts
     e.check(gen is None or gen >= r.prompts_per_step, "rollout.gen_batch_prompts", f"must be >= rollout.prompts_per_step ({r.prompts_per_step}), got {gen}")
     e.check(r.max_gen_batches >= 1, "rollout.max_gen_batches", f"must be >= 1, got {r.max_gen_batches}")
@@ -74,6 +83,15 @@ def validate_config(cfg: MegaRLConfig, where: Callable[[str], str] | None = None
     e.check(0 <= a.gamma <= 1, "algorithm.gamma", f"must be in [0, 1], got {a.gamma}")
     e.check(0 <= a.lam_actor <= 1, "algorithm.lam_actor", f"must be in [0, 1], got {a.lam_actor}")
     e.check(0 <= a.lam_critic <= 1, "algorithm.lam_critic", f"must be in [0, 1], got {a.lam_critic}")
+    e.check(a.advantage in ADVANTAGES or is_dotted_path(a.advantage), "algorithm.advantage",
+            f"unknown estimator {a.advantage!r}{_suggest(a.advantage, ADVANTAGES)}: one of {sorted(ADVANTAGES)} "
+            "or 'package.module:function'")
+    e.check(a.policy_loss in POLICY_LOSSES, "algorithm.policy_loss",
+            f"unknown policy loss {a.policy_loss!r}{_suggest(a.policy_loss, POLICY_LOSSES)}: one of {sorted(POLICY_LOSSES)}")
+    e.check(a.kl_target is None or (a.kl_target > 0 and a.kl_in_reward and a.kl_coef > 0), "algorithm.kl_target",
+            f"the adaptive KL controller needs kl_target > 0, kl_in_reward=true and kl_coef > 0 (the initial beta); "
+            f"got kl_target={a.kl_target}, kl_in_reward={a.kl_in_reward}, kl_coef={a.kl_coef}")
+    e.check(a.kl_horizon > 0, "algorithm.kl_horizon", f"must be > 0, got {a.kl_horizon}")
     alpha = a.length_adaptive_alpha
     e.check(alpha is None or alpha > 0, "algorithm.length_adaptive_alpha", f"must be > 0 or null, got {alpha}")
     e.check(alpha is None or a.advantage in CRITIC_ADVANTAGES, "algorithm.length_adaptive_alpha", f"applies to GAE advantages only (algorithm.advantage={a.advantage})")
@@ -87,7 +105,12 @@ def validate_config(cfg: MegaRLConfig, where: Callable[[str], str] | None = None
     e.check(a.pos_lm_coef >= 0, "algorithm.pos_lm_coef", f"must be >= 0, got {a.pos_lm_coef}")
     group_needed = a.advantage == "rloo" or a.dynamic_sampling
     e.check(not group_needed or r.n_samples_per_prompt >= 2, "rollout.n_samples_per_prompt", f"must be >= 2 for rloo / dynamic sampling, got {r.n_samples_per_prompt}")
-    e.check(0 < a.overlong_cache_len < a.overlong_max_len, "algorithm.overlong_cache_len", f"must be in (0, algorithm.overlong_max_len={a.overlong_max_len}), got {a.overlong_cache_len}")
+    l_max = a.overlong_max_len or r.max_new_tokens
+    e.check(a.overlong_max_len is None or a.overlong_max_len <= r.max_new_tokens, "algorithm.overlong_max_len",
+            f"L_max must not exceed the generation cap rollout.max_new_tokens={r.max_new_tokens} (the penalty would "
+            f"never reach its full value), got {a.overlong_max_len}")
+    e.check(not a.overlong_penalty or 0 < a.overlong_cache_len < l_max, "algorithm.overlong_cache_len",
+            f"must be in (0, L_max={l_max}) (algorithm.overlong_max_len or rollout.max_new_tokens), got {a.overlong_cache_len}")
     e.check(a.overlong_factor >= 0, "algorithm.overlong_factor", f"must be >= 0, got {a.overlong_factor}")
     e.check(a.ppo_epochs >= 1, "algorithm.ppo_epochs", f"must be >= 1, got {a.ppo_epochs}")
     batch = r.prompts_per_step * r.n_samples_per_prompt
@@ -111,6 +134,8 @@ def validate_config(cfg: MegaRLConfig, where: Callable[[str], str] | None = None
         e.check(o.max_tokens_per_microbatch >= seq_max, f"{role}.max_tokens_per_microbatch",
                 f"must hold one full sample: >= data.max_prompt_len + rollout.max_new_tokens = {seq_max}, got {o.max_tokens_per_microbatch}")
         e.check(o.max_tokens_per_microbatch % p.cp == 0, f"{role}.max_tokens_per_microbatch", f"must be divisible by parallel.cp={p.cp}")
+        e.check(not o.offload_optimizer or o.use_distributed_optimizer, f"{role}.offload_optimizer",
+                f"megatron offloads only the (precision-aware) distributed optimizer: set {role}.use_distributed_optimizer=true")
 
     t = cfg.trainer
     e.check(t.total_steps >= 1, "trainer.total_steps", f"must be >= 1, got {t.total_steps}")
@@ -123,7 +148,6 @@ def validate_config(cfg: MegaRLConfig, where: Callable[[str], str] | None = None
     e.check(ev.temperature >= 0, "eval.temperature", f"must be >= 0 (0 = greedy), got {ev.temperature}")
     e.check(0 < ev.top_p <= 1, "eval.top_p", f"must be in (0, 1], got {ev.top_p}")
     e.check(ev.max_new_tokens >= 1, "eval.max_new_tokens", f"must be >= 1, got {ev.max_new_tokens}")
-    e.check(ev.every is None or ev.every >= 0, "eval.every", f"must be >= 0 or null, got {ev.every}")
     s = cfg.sft
     for name in ("epochs", "batch_size", "max_len"):
         e.check(getattr(s, name) >= 1, f"sft.{name}", f"must be >= 1, got {getattr(s, name)}")

@@ -35,6 +35,7 @@ class PromptItem:
     data_source: str
     extra: dict[str, Any] = field(default_factory=dict)
     prompt_ids: list[int] | None = None  # set by tokenize_dataset
+    reference: str | None = None  # reference / anchor response (GenRM, Pairwise-RL)
 
 
 @dataclass
@@ -124,7 +125,10 @@ def _check_row(row: Any, keys: dict[str, str], default_source: str) -> tuple[dic
     source = row.get(sk, default_source)
     if not isinstance(source, str) or not source.strip():
         return None, f"field {sk!r} must be a non-empty string, got {source!r}"
-    return {"prompt": prompt, "answer": answer.strip(), "source": source}, None
+    reference = row.get(keys["reference"])
+    if reference is not None and not isinstance(reference, str):
+        return None, f"field {keys['reference']!r} must be a string, got {type(reference).__name__}"
+    return {"prompt": prompt, "answer": answer.strip(), "source": source, "reference": reference}, None
 
 
 def _load_file(path: Path, keys: dict[str, str], default_source: str, seen: set[str],
@@ -145,17 +149,19 @@ def _load_file(path: Path, keys: dict[str, str], default_source: str, seen: set[
             skipped.append((rownum, label + error))
             continue
         seen.add(uid)
-        extra = {k: v for k, v in row.items() if k not in (keys["prompt"], keys["answer"], keys["source"], keys["id"])}
-        items.append(PromptItem(uid, fields["prompt"], fields["answer"], fields["source"], extra))
+        extra = {k: v for k, v in row.items() if k not in keys.values()}
+        items.append(PromptItem(uid, fields["prompt"], fields["answer"], fields["source"], extra,
+                                reference=fields["reference"]))
     return items, skipped
 
 
 def load_prompt_dataset(path: str | Path, *, prompt_key: str = "problem", answer_key: str = "answer",
                         source_key: str = "data_source", default_source: str = "math",
-                        id_key: str = "id") -> PromptDataset:
+                        id_key: str = "id", reference_key: str = "reference") -> PromptDataset:
     """Load prompts from a file or directory (see the module doc for formats and skip rules).
 
     uid: the row's `id_key` value as a string, else ``"<file stem>:<row number>"``.
+    reference: the row's `reference_key` string (a reference / anchor response), else None.
     `extra`: every other field of the row.
     """
     p = Path(path)
@@ -169,7 +175,8 @@ def load_prompt_dataset(path: str | Path, *, prompt_key: str = "problem", answer
         files = [p]
     else:
         raise ValueError(f"prompt dataset {p}: unsupported file type {p.suffix!r} (expected {', '.join(SUFFIXES)})")
-    keys = {"prompt": prompt_key, "answer": answer_key, "source": source_key, "id": id_key}
+    keys = {"prompt": prompt_key, "answer": answer_key, "source": source_key, "id": id_key,
+            "reference": reference_key}
     items, skipped, seen = [], [], set()
     for f in files:
         got, bad = _load_file(f, keys, default_source, seen, f"{f.name}: " if p.is_dir() else "")

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from megarl.models.families import ArchSpec, arch_spec
 from megarl.models.rope import hf_inv_freq
+from megarl.parallel.distributed import device
 
 # exp(-1e4 - max) underflows to exactly 0 in fp32/bf16/fp16 while p*log(p) stays finite (0),
 # unlike -inf, which turns entropy terms into NaN.
@@ -182,9 +183,7 @@ def build_model(hf_config: Any, *, dtype: torch.dtype | str = torch.float32, imp
         model.arch_spec = spec
         if model.post_process and not value_head and mask_padded_vocab and vocab > spec.vocab_size:
             model.output_layer.register_forward_hook(_mask_padded_vocab_hook(spec.vocab_size, vocab))
-        if torch.cuda.is_available():
-            model.cuda(torch.cuda.current_device())
-        chunks.append(model)
+        chunks.append(model.to(device()))
     return chunks
 
 

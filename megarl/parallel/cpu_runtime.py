@@ -35,6 +35,8 @@ import logging
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megarl.parallel import strict_device
+
 log = logging.getLogger(__name__)
 
 _ACTIVE = False
@@ -58,10 +60,19 @@ def _is_cuda_device(device) -> bool:
 
 
 class _CudaToCpuMode(TorchFunctionMode):
-    """Rewrites CUDA device arguments to CPU for every torch function / tensor method."""
+    """Rewrites CUDA device arguments to CPU for every torch function / tensor method (and, in
+    strict device mode, marks what would live on the GPU: `megarl.parallel.strict_device`)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if strict_device.enabled():
+            handled, out = strict_device.strict_torch_function(func, args, kwargs, self._call)
+            if handled:
+                return out
+        return self._call(func, args, kwargs)
+
+    @staticmethod
+    def _call(func, args, kwargs):
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs = dict(kwargs, device=_CPU)
         if func is torch.Tensor.cuda:
@@ -186,8 +197,16 @@ def _materialize_adam_state(opt) -> None:
                 st.setdefault("exp_avg_sq", torch.zeros_like(p.data))
 
 
-def activate() -> None:
-    """Installs the CPU runtime process-wide. Idempotent. Raises if CUDA is available."""
+def activate(strict: bool | None = None) -> None:
+    """Installs the CPU runtime process-wide. Idempotent. Raises if CUDA is available.
+
+    strict (default: env MEGARL_STRICT_DEVICE) also turns on strict device mode."""
+    _activate()
+    if strict if strict is not None else strict_device.requested():
+        strict_device.enable()
+
+
+def _activate() -> None:
     global _ACTIVE
     if _ACTIVE:
         return

@@ -117,7 +117,10 @@ def _free_port() -> int:
 
 
 def device() -> torch.device:
-    """The device training tensors live on for this rank."""
+    """The device training tensors live on for this rank (CUDA; on CPU the host, or the
+    strict device mode's stand-in for CUDA)."""
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    from megarl.parallel import strict_device
+
+    return strict_device.FAKE_CUDA if strict_device.enabled() else torch.device("cpu")

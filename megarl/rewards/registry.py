@@ -38,9 +38,30 @@ def register_reward(name: str) -> Callable[[Factory], Factory]:
 
 
 def build_reward(name: str, params: dict, resources: dict) -> BuiltReward:
+    """A registered reward by name, or user code by dotted path ('package.module:function')."""
+    from megarl.plugins import import_object, is_dotted_path
+
+    if is_dotted_path(name):
+        return _custom(import_object(name, f"reward function {name!r}"), dict(params))
     if name not in REWARDS:
-        raise ValueError(f"unknown reward function {name!r} (registered: {sorted(REWARDS)})")
+        raise ValueError(f"unknown reward function {name!r} (registered: {sorted(REWARDS)}; "
+                         "or give 'package.module:function')")
     return REWARDS[name](dict(params), resources)
+
+
+def _custom(fn: Callable, params: dict) -> BuiltReward:
+    """A user function `fn(x: RewardInput, **params) -> RewardOutput | float` (a float is the
+    score, correct when > 0); it fails with 0 (the manager scores crashes and timeouts so)."""
+
+    def sample_fn(x: RewardInput) -> RewardOutput:
+        out = fn(x, **params)
+        if isinstance(out, RewardOutput):
+            return out
+        if isinstance(out, (int, float)) and not isinstance(out, bool):
+            return RewardOutput(float(out), float(out) > 0)
+        raise RewardError(f"custom reward returned {type(out).__name__}; expected RewardOutput or a float")
+
+    return BuiltReward(failure_score=0.0, sample_fn=sample_fn)
 
 
 def make_params(cls: type, params: dict, where: str):

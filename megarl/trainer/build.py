@@ -38,6 +38,22 @@ def _padded_vocab(load: str | None, tp: int) -> int | None:
     return padded_vocab_for(read_checkpoint_meta(load), tp) if load else None
 
 
+def model_options(model_cfg, parallel_cfg) -> dict:
+    """megatron TransformerConfig fields set by `model.*` and `parallel.sequence_parallel`:
+    FP8 (TE), activation recompute, the attention backend, sequence parallelism."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    opts: dict = {"attention_backend": AttnBackend[model_cfg.attention_backend],
+                  "sequence_parallel": bool(model_cfg.sequence_parallel and parallel_cfg.tp > 1)}
+    if model_cfg.fp8 is not None:
+        opts.update(fp8=model_cfg.fp8, fp8_recipe=model_cfg.fp8_recipe)
+    if model_cfg.recompute is not None:
+        opts["recompute_granularity"] = model_cfg.recompute
+        if model_cfg.recompute == "full":
+            opts.update(recompute_method=model_cfg.recompute_method, recompute_num_layers=model_cfg.recompute_num_layers)
+    return opts
+
+
 def _train_model(cfg, hf_config, optim, load: str | None, value_head: bool = False) -> TrainModel:
     """Builds the model and loads `load` (a megarl torch_dist model checkpoint) or, without
     one, the HF safetensors of model.hf_path (rank-local slice reads)."""
@@ -48,7 +64,8 @@ def _train_model(cfg, hf_config, optim, load: str | None, value_head: bool = Fal
     model = TrainModel(hf_config, optim, value_head=value_head, dtype=cfg.model.dtype,
                        impl=resolve_impl(cfg.model), total_steps=cfg.trainer.total_steps,
                        padded_vocab=_padded_vocab(load, ps.get_tensor_model_parallel_world_size()),
-                       seed=cfg.trainer.seed, batching=cfg.critic if value_head else cfg.actor)
+                       seed=cfg.trainer.seed, batching=cfg.critic if value_head else cfg.actor,
+                       model_options=model_options(cfg.model, cfg.parallel))
     model.hf_source_dir = cfg.model.hf_path
     if load:
         model.load(load, load_optimizer=False)
@@ -72,7 +89,8 @@ def build_critic(cfg, hf_config, actor: TrainModel) -> TrainModel:
         return _train_model(cfg, hf_config, cfg.critic, load, value_head=True)
     critic = TrainModel(hf_config, cfg.critic, value_head=True, dtype=cfg.model.dtype,
                         impl=resolve_impl(cfg.model), total_steps=cfg.trainer.total_steps,
-                        padded_vocab=actor.modules[0].vocab_size, seed=cfg.trainer.seed)
+                        padded_vocab=actor.modules[0].vocab_size, seed=cfg.trainer.seed,
+                        model_options=model_options(cfg.model, cfg.parallel))
     critic.hf_source_dir = cfg.model.hf_path
     copied = critic.copy_backbone_from(actor)
     log.info("critic initialised from the actor backbone (%d tensors)", copied)
@@ -83,19 +101,26 @@ def build_engine(cfg, hf_config, tokenizer):
     from megarl.rollout.registry import make_engine
 
     if cfg.rollout.engine == "builtin":
-        return make_engine("builtin", config=hf_config, tokenizer=tokenizer)
+        from megarl.parallel.distributed import device
+
+        return make_engine("builtin", config=hf_config, tokenizer=tokenizer, device=device())
     return make_engine("sglang", model_path=cfg.model.hf_path, tp_size=cfg.parallel.rollout_tp,
                        group=engine_group(cfg.parallel.rollout_tp), mem_fraction_static=cfg.rollout.mem_fraction)
 
 
-def engine_group(tp: int):
+def engine_group(tp: int, timeout: timedelta | None = None):
     """The gloo group of the `tp` consecutive ranks (one node) that share this rank's engine.
 
-    Every rank creates every group (torch.distributed requires it); None when tp == 1.
+    Every rank creates every group (torch.distributed requires it); None when tp == 1. The
+    ranks that own no engine wait on this group while the owner starts the engine or generates,
+    so `timeout` (default 2 hours) must outlast the longest generation.
     """
     import os
+    from datetime import timedelta
 
     import torch.distributed as dist
+
+    timeout = timedelta(hours=2) if timeout is None else timeout
 
     world, rank = dist.get_world_size(), dist.get_rank()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -106,16 +131,40 @@ def engine_group(tp: int):
                          "an engine's ranks must share a node")
     mine = None
     for start in range(0, world, tp):
-        group = dist.new_group(list(range(start, start + tp)), backend="gloo")
+        group = dist.new_group(list(range(start, start + tp)), backend="gloo", timeout=timeout)
         if start <= rank < start + tp:
             mine = group
     return mine
 
 
-def build_rewards(cfg):
+JUDGE_SOURCES = ("genrm", "pairwise_genrm")
+
+
+def build_rewards(cfg, hf_config=None, tokenizer=None):
+    """The reward manager; with a GenRM source, also its judge (resource "judge"): a generative
+    judge on a builtin engine loaded with `reward.judge_path` (an HF model directory; default:
+    the policy's own model.hf_path, i.e. self-judging)."""
     from megarl.rewards import RewardConfig, RewardManager
 
-    return RewardManager(RewardConfig.from_dict(cfg.reward))
+    reward = dict(cfg.reward)
+    judge_path = reward.pop("judge_path", None)
+    rcfg = RewardConfig.from_dict(reward)
+    resources = {}
+    if any(spec.fn in JUDGE_SOURCES for spec in rcfg.sources.values()):
+        resources["judge"] = build_judge(judge_path or cfg.model.hf_path)
+    return RewardManager(rcfg, resources)
+
+
+def build_judge(hf_path: str):
+    """A GenerativeJudge on a builtin engine holding the HF checkpoint at `hf_path`."""
+    from megarl.parallel.distributed import device
+    from megarl.rewards.genrm import GenerativeJudge
+    from megarl.rollout.builtin import BuiltinEngine
+
+    if not hf_path or not Path(hf_path).is_dir():
+        raise FileNotFoundError(f"reward.judge_path: {hf_path!r} is not an HF model directory")
+    engine = BuiltinEngine.from_pretrained(hf_path, device=device())
+    return GenerativeJudge(engine, engine.tokenizer)
 
 
 @dataclass

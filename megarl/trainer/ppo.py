@@ -1,8 +1,10 @@
 """The per-step mathematics wired to megatron: prepare, advantages, critic and actor updates.
 
-The formulas live in megarl.algorithms; this module only moves tensors between trajectories,
-packed micro-batches and those functions, and supplies the global (all micro-batches, all DP
-ranks) denominators that make token-mean exact under gradient accumulation (ALGORITHMS §1.2).
+The formulas live in megarl.algorithms; this module reads and writes the fields of the step's
+`StepBatch`, hands packed micro-batches to those functions, and supplies the global (all
+micro-batches, all DP ranks) denominators and statistics that make token-mean and whitening
+exact under gradient accumulation (ALGORITHMS §1.2). Every tensor a collective sees lives on
+the training device.
 """
 
 from __future__ import annotations
@@ -14,107 +16,176 @@ import torch.distributed as dist
 
 from megarl import algorithms as A
 from megarl.data.packing import balance_across_dp
+from megarl.parallel.distributed import device
+from megarl.plugins import resolve
 from megarl.trainer import vocab_parallel
-from megarl.trainer.batch import MicroBatch, Trajectory, response_tensor, scatter_response_tensor
+from megarl.trainer.batch import MicroBatch, StepBatch
 
 CRITIC_ADVANTAGES = ("gae", "egae")
 
 
-def split_minibatches(trajs: list[Trajectory], mini_batch_size: int, seed: int,
-                      dp_rank: int, dp_size: int) -> list[list[Trajectory]]:
-    """Shuffles the step's batch (seeded, same on all ranks), cuts it into mini-batches of
-    `mini_batch_size` samples, and returns this DP rank's token-balanced share of each."""
-    order = list(range(len(trajs)))
+def uses_critic_advantage(cfg) -> bool:
+    """gae/egae, or a custom (dotted-path) estimator in a run with a critic."""
+    name = cfg.algorithm.advantage
+    return name in CRITIC_ADVANTAGES or (":" in name and cfg.critic.enable)
+
+
+def split_minibatches(batch: StepBatch, mini_batch_size: int, seed: int, dp_rank: int,
+                      dp_size: int) -> list[list[int]]:
+    """Shuffles the step's rows (seeded, same on all ranks), cuts them into mini-batches of
+    `mini_batch_size` samples, and returns this DP rank's token-balanced share of each (rows of
+    `batch`)."""
+    order = list(range(len(batch)))
     random.Random(seed).shuffle(order)
+    lengths = batch.lengths
     out = []
     for s in range(0, len(order), mini_batch_size):
-        mb = [trajs[i] for i in order[s : s + mini_batch_size]]
-        shares = balance_across_dp([t.length for t in mb], dp_size)
+        mb = order[s : s + mini_batch_size]
+        shares = balance_across_dp([lengths[i] for i in mb], dp_size)
         out.append([mb[i] for i in shares[dp_rank]])
     return out
 
 
+def local_minibatches(minibatches: list[list[int]]) -> tuple[list[int], list[list[int]]]:
+    """(rows of this rank in mini-batch order, each mini-batch as row indices of that local batch)."""
+    rows, local, off = [], [], 0
+    for mb in minibatches:
+        rows += mb
+        local.append(list(range(off, off + len(mb))))
+        off += len(mb)
+    return rows, local
+
+
+def set_masks(batch: StepBatch, cfg) -> None:
+    """loss_mask: response tokens that count for the policy (the DAPO overlong filter zeroes
+    samples cut by the length cap); value_mask: tokens that train the critic (T-PPO / EGAE:
+    finished samples only)."""
+    al = cfg.algorithm
+    cut = torch.tensor([al.overlong_filter and f == "length" for f in batch.finish_reason])
+    unfinished = batch.truncated & (al.advantage == "egae")
+    batch.loss_mask = batch.response_mask * (~cut).float().unsqueeze(1)
+    batch.value_mask = batch.response_mask * (~unfinished).float().unsqueeze(1)
+
+
 # ---- prepare ----------------------------------------------------------------------------------
-def compute_log_probs(model, trajs: list[Trajectory], key: str, temperature: float) -> None:
-    def fn(mb: MicroBatch, logits):
-        logp = vocab_parallel.token_log_probs(logits, mb.targets, temperature)
-        return {key: mb.gather(logp)}
-
-    model.forward_only(trajs, fn, [key])
+def compute_log_probs(model, batch: StepBatch, temperature: float) -> torch.Tensor:
+    """[B, T] log-probs of the response tokens under `model` (logits / temperature)."""
+    return model.forward_only(
+        batch, lambda mb, logits: mb.gather(vocab_parallel.token_log_probs(logits, mb.targets, temperature)))
 
 
-def compute_values(critic, trajs: list[Trajectory]) -> None:
-    def fn(mb: MicroBatch, values):
-        return {"values": mb.gather(values.reshape(-1).float())}
-
-    critic.forward_only(trajs, fn, ["values"])
+def compute_values(critic, batch: StepBatch) -> torch.Tensor:
+    return critic.forward_only(batch, lambda mb, values: mb.gather(values.reshape(-1).float()))
 
 
 # ---- advantages -------------------------------------------------------------------------------
-def _params(cfg) -> A.AdvantageParams:
+def kl_controller(cfg):
+    """The KL coefficient: fixed, or adaptive (`algorithm.kl_target`) for KL-in-reward."""
     al = cfg.algorithm
-    return A.AdvantageParams(gamma=al.gamma, lam=al.lam_actor, lam_critic=al.lam_critic,
-                             length_adaptive_alpha=al.length_adaptive_alpha, whiten=False,
-                             norm_by_std=al.norm_adv_by_std)
+    if al.kl_target is not None:
+        return A.AdaptiveKLController(al.kl_coef, al.kl_target, al.kl_horizon)
+    return A.FixedKLController(al.kl_coef)
 
 
-def _token_rewards(trajs: list[Trajectory], cfg) -> tuple[torch.Tensor, torch.Tensor]:
-    _, mask = response_tensor(trajs, "")
-    scores = torch.tensor([t.score for t in trajs], dtype=torch.float32)
-    rewards = A.place_outcome_reward(scores, mask)
+def _params(cfg, value_pretraining: bool) -> A.AdvantageParams:
     al = cfg.algorithm
-    if al.kl_coef > 0 and al.kl_in_reward:
-        old, _ = response_tensor(trajs, "old_logprobs")
-        ref, _ = response_tensor(trajs, "ref_logprobs")
-        rewards = rewards - al.kl_coef * A.kl_penalty(old, ref, al.kl_type) * mask
-    return rewards, mask
+    p = A.AdvantageParams(gamma=al.gamma, lam=al.lam_actor, lam_critic=al.lam_critic,
+                          length_adaptive_alpha=al.length_adaptive_alpha, whiten=False,
+                          norm_by_std=al.norm_adv_by_std)
+    if value_pretraining:  # VC-PPO: critic targets are Monte-Carlo returns (lambda = 1, gamma as set)
+        p.lam, p.lam_critic, p.length_adaptive_alpha = 1.0, 1.0, None
+    return p
 
 
-def compute_advantages(all_trajs: list[Trajectory], local_trajs: list[Trajectory], cfg, dp_group,
-                       critic_only_returns: bool = False) -> None:
-    """Stores `advantages` (and `returns` for critic estimators) on the trajectories.
+def _dp_all_reduce(t: torch.Tensor, dp_group) -> torch.Tensor:
+    t = t.to(device())
+    dist.all_reduce(t, group=dp_group)
+    return t.cpu()
 
-    Group estimators (grpo, rloo, reinforce_pp*) see the whole batch on every rank. Critic
-    estimators run on this rank's trajectories (GAE is per sequence) and are whitened, when
-    asked, with statistics all-reduced over DP, i.e. over the whole batch.
+
+def gather_rows(local: torch.Tensor, rows: list[int], n: int, dp_group) -> torch.Tensor:
+    """[len(rows), T] rows held by this DP rank -> [n, T] with every rank's rows (each row is owned
+    by exactly one DP rank, so a sum over DP assembles the whole batch)."""
+    full = torch.zeros(n, local.shape[1], dtype=torch.float32)
+    full[torch.tensor(rows, dtype=torch.long)] = local.float()
+    return _dp_all_reduce(full, dp_group)
+
+
+def kl_in_reward(cfg) -> bool:
+    return cfg.algorithm.kl_in_reward and cfg.algorithm.kl_coef > 0
+
+
+def token_rewards(batch: StepBatch, cfg, kl_coef: float, dp_group) -> tuple[torch.Tensor, dict[str, float]]:
+    """Outcome score on the last response token; with KL-in-reward minus beta * KL per token, and
+    the batch's mean per-sample KL (verl's statistic, over all DP ranks) as `actor/reward_kl`."""
+    rewards = A.place_outcome_reward(batch.score, batch.response_mask)
+    if not kl_in_reward(cfg):
+        return rewards, {}
+    rewards, current_kl = A.apply_kl_in_reward(rewards, batch.old_logprobs, batch.ref_logprobs,
+                                               batch.response_mask, kl_coef, cfg.algorithm.kl_type)
+    rows = (batch.response_mask.sum(-1) > 0).sum().double()
+    s = _dp_all_reduce(torch.stack([current_kl.double() * rows, rows]), dp_group)
+    return rewards, {"actor/reward_kl": float(s[0] / s[1].clamp(min=1.0)), "actor/kl_coef": kl_coef}
+
+
+def compute_advantages(batch: StepBatch, local: StepBatch, local_rows: list[int], cfg, dp_group,
+                       kl_coef: float, value_pretraining: bool = False) -> dict[str, float]:
+    """Sets local.advantages (and local.returns for critic estimators); returns metrics.
+
+    `batch` is the whole step (same on every rank), `local` its rows `local_rows` with this DP
+    rank's log-probs and values. Critic estimators run per sequence on the local rows and are
+    whitened (when asked) over the policy-loss tokens of the whole batch (DP-reduced moments).
+    Group estimators see every row: rewards with a KL term are gathered across DP first.
     """
     al = cfg.algorithm
-    if al.advantage not in CRITIC_ADVANTAGES:
-        rewards, mask = _token_rewards(all_trajs, cfg)
-        inputs = A.AdvantageInputs(token_rewards=rewards, mask=mask, group_index=[t.uid for t in all_trajs])
-        adv, _ = A.ADVANTAGES[al.advantage](inputs, _params(cfg))
-        scatter_response_tensor(all_trajs, "advantages", adv)
-        return
-    if not local_trajs:
-        return
-    rewards, mask = _token_rewards(local_trajs, cfg)
-    values, _ = response_tensor(local_trajs, "values")
-    truncated = torch.tensor([t.finish_reason == "truncated" for t in local_trajs])
-    inputs = A.AdvantageInputs(token_rewards=rewards, mask=mask, values=values, truncated=truncated)
-    params = _params(cfg)
-    if critic_only_returns:  # value pretraining: Monte-Carlo targets (lambda = 1)
-        params.lam, params.length_adaptive_alpha = 1.0, None
-    adv, returns = A.ADVANTAGES[al.advantage](inputs, params)
+    estimator = resolve(al.advantage, A.ADVANTAGES)
+    rewards, metrics = token_rewards(local, cfg, kl_coef, dp_group)
+    params = _params(cfg, value_pretraining)
+    if not uses_critic_advantage(cfg):
+        full_rewards = (gather_rows(rewards, local_rows, len(batch), dp_group) if kl_in_reward(cfg)
+                        else A.place_outcome_reward(batch.score, batch.response_mask))
+        inputs = A.AdvantageInputs(token_rewards=full_rewards, mask=batch.response_mask, group_index=batch.uid)
+        adv, _ = estimator(inputs, params)
+        local.advantages = adv[torch.tensor(local_rows, dtype=torch.long)] * local.response_mask
+        local.returns = local.advantages
+        return metrics
+    inputs = A.AdvantageInputs(token_rewards=rewards, mask=local.response_mask, values=local.values,
+                               truncated=local.truncated)
+    adv, returns = estimator(inputs, params)
     if al.whiten_advantages:
-        moments = A.masked_moments(adv, mask).double()
-        dist.all_reduce(moments, group=dp_group)
+        moments = _dp_all_reduce(A.masked_moments(adv, local.loss_mask).double(), dp_group)
         mean, var = A.stats_from_moments(moments)
-        adv = (adv - mean.float()) * torch.rsqrt(var.float() + 1e-8) * mask
-    scatter_response_tensor(local_trajs, "advantages", adv)
-    scatter_response_tensor(local_trajs, "returns", returns)
+        adv = (adv - mean.float()) * torch.rsqrt(var.float() + 1e-8)
+    local.advantages = adv * local.response_mask
+    local.returns = returns * local.response_mask
+    return metrics
+
+
+def explained_variance(batch: StepBatch, dp_group) -> dict[str, float]:
+    """EV = 1 - Var(ret - V)/Var(ret) over the value tokens of the whole batch (DP-reduced moments)."""
+    m = torch.stack([A.masked_moments(batch.returns, batch.value_mask),
+                     A.masked_moments(batch.returns - batch.values, batch.value_mask)]).double()
+    m = _dp_all_reduce(m, dp_group)
+    (_, var_r), (_, var_d) = A.stats_from_moments(m[0]), A.stats_from_moments(m[1])
+    return {"critic/explained_variance": float(1.0 - var_d / var_r) if var_r > 0 else 0.0}
+
+
+def logprob_mismatch(batch: StepBatch, dp_group) -> dict[str, float]:
+    """Mean |rollout log-prob - trainer log-prob| over response tokens (diagnostic, ALGORITHMS §0)."""
+    d = (batch.rollout_logprobs - batch.old_logprobs).abs() * batch.response_mask
+    s = _dp_all_reduce(torch.stack([d.sum(), batch.response_mask.sum()]).double(), dp_group)
+    return {"rollout/logprob_mismatch": float(s[0] / s[1].clamp(min=1.0))}
 
 
 # ---- updates ----------------------------------------------------------------------------------
-def global_counts(trajs: list[Trajectory], dp_group) -> dict[str, float]:
-    """Token / sequence counts of the whole mini-batch (all DP ranks) for the loss denominators."""
-    local = torch.tensor([
-        sum(float(t.tensors["loss_mask"].sum()) for t in trajs),
-        sum(1.0 for t in trajs if float(t.tensors["loss_mask"].sum()) > 0),
-        sum(float(t.tensors["loss_mask"].sum()) for t in trajs if t.acc),
-        sum(1.0 for t in trajs if t.acc and float(t.tensors["loss_mask"].sum()) > 0),
-    ], dtype=torch.float64)
-    dist.all_reduce(local, group=dp_group)
-    tok, seq, pos_tok, pos_seq = local.tolist()
+def global_counts(batch: StepBatch, rows: list[int], dp_group, mask: torch.Tensor) -> dict[str, float]:
+    """Token / sequence counts of a mini-batch over all DP ranks (the loss denominators), and
+    those of its positive (acc) samples for VAPO's NLL term."""
+    m = mask[torch.tensor(rows, dtype=torch.long)] if rows else mask[:0]
+    pos = batch.acc[torch.tensor(rows, dtype=torch.long)].float() if rows else torch.zeros(0)
+    tok = m.sum(-1)
+    local = torch.stack([tok.sum(), (tok > 0).float().sum(), (tok * pos).sum(), ((tok > 0).float() * pos).sum()])
+    tok, seq, pos_tok, pos_seq = _dp_all_reduce(local.double(), dp_group).tolist()
     return {"tokens": max(tok, 1.0), "seqs": max(seq, 1.0), "pos_tokens": max(pos_tok, 1.0),
             "pos_seqs": max(pos_seq, 1.0)}
 
@@ -129,34 +200,30 @@ def _share(metrics: dict[str, torch.Tensor], n_local: float, n_global: float, pr
 
 def actor_loss_fn(cfg, counts: dict[str, float], temperature: float):
     al = cfg.algorithm
-    agg_kw = dict(agg=al.loss_agg, global_tokens=counts["tokens"], global_seqs=counts["seqs"],
-                  max_len=cfg.rollout.max_new_tokens)
+    policy_loss = A.POLICY_LOSSES[al.policy_loss]
+    denominators = dict(global_tokens=counts["tokens"], global_seqs=counts["seqs"], max_len=cfg.rollout.max_new_tokens)
 
     def loss_fn(mb: MicroBatch, logits):
-        logp_all = vocab_parallel.token_log_probs(logits, mb.targets, temperature)
-        logp = mb.gather(logp_all)
-        mask = mb.padded("loss_mask")
-        old = mb.padded("old_logprobs")
-        adv = mb.padded("advantages")
-        loss, m = A.policy_loss(logp, old, adv, mask, al.clip_low, al.clip_high, al.clip_c, **agg_kw)
-        n_local = float(mask.sum())
-        logs = _share(m, n_local, counts["tokens"], "actor")
+        d = mb.data
+        logp = mb.gather(vocab_parallel.token_log_probs(logits, mb.targets, temperature))
+        mask = d.loss_mask
+        loss, m = policy_loss(logp, d.old_logprobs, d.advantages, mask, al.clip_low, al.clip_high, al.clip_c,
+                              agg=al.loss_agg, **denominators)
+        logs = _share(m, float(mask.sum()), counts["tokens"], "actor")
         logs["actor/pg_loss"] = loss.detach()
         if al.kl_coef > 0 and not al.kl_in_reward:
-            kl = A.kl_penalty(logp, mb.padded("ref_logprobs"), al.kl_type)
-            kl_loss = A.agg_loss(kl, mask, al.loss_agg, counts["tokens"], counts["seqs"], cfg.rollout.max_new_tokens)
+            kl_loss = A.agg_loss(A.kl_penalty(logp, d.ref_logprobs, al.kl_type), mask, al.loss_agg, **denominators)
             loss = loss + al.kl_coef * kl_loss
             logs["actor/kl_loss"] = kl_loss.detach()
         with torch.set_grad_enabled(al.entropy_coef > 0 and torch.is_grad_enabled()):
             flat = logits.reshape(-1, logits.shape[-1])[mb.resp_index.reshape(-1)]  # response positions only
             ent = vocab_parallel.entropy(flat, temperature).reshape(mask.shape)
-            ent_mean = A.agg_loss(ent, mask, "token-mean", counts["tokens"])
+            ent_agg = A.agg_loss(ent, mask, al.loss_agg, **denominators)
         if al.entropy_coef > 0:
-            loss = loss - al.entropy_coef * ent_mean
-        logs["actor/entropy"] = ent_mean.detach()
+            loss = loss - al.entropy_coef * ent_agg
+        logs["actor/entropy"] = ent_agg.detach()
         if al.pos_lm_coef > 0:
-            is_pos = torch.tensor([t.acc for t in mb.trajectories])
-            nll = A.positive_example_nll(logp, mask, is_pos, "token-mean", counts["pos_tokens"])
+            nll = A.positive_example_nll(logp, mask, d.acc, "token-mean", counts["pos_tokens"])
             loss = loss + al.pos_lm_coef * nll
             logs["actor/pos_lm_loss"] = nll.detach()
         return loss, logs
@@ -168,43 +235,23 @@ def critic_loss_fn(cfg, counts: dict[str, float]):
     al = cfg.algorithm
 
     def loss_fn(mb: MicroBatch, values):
+        d = mb.data
         v = mb.gather(values.reshape(-1).float())
-        mask = mb.padded("value_mask")
-        loss, m = A.value_loss(v, mb.padded("values"), mb.padded("returns"), mask, al.value_clip,
-                               "token-mean", counts["tokens"])
-        logs = _share(m, float(mask.sum()), counts["tokens"], "critic")
+        loss, m = A.value_loss(v, d.values, d.returns, d.value_mask, al.value_clip, "token-mean", counts["tokens"])
+        logs = _share(m, float(d.value_mask.sum()), counts["tokens"], "critic")
         logs["critic/value_loss"] = loss.detach()
         return loss, logs
 
     return loss_fn
 
 
-def set_masks(trajs: list[Trajectory], cfg) -> None:
-    """loss_mask: response tokens that count for the policy (DAPO overlong filter zeroes
-    truncated samples); value_mask: tokens that train the critic (T-PPO: finished only)."""
-    al = cfg.algorithm
-    for t in trajs:
-        ones = torch.ones(len(t.response_ids))
-        cut = al.overlong_filter and t.finish_reason == "length"
-        t.tensors["loss_mask"] = ones * (0.0 if cut else 1.0)
-        unfinished = al.advantage == "egae" and t.finish_reason == "truncated"
-        t.tensors["value_mask"] = ones * (0.0 if unfinished else 1.0)
-
-
-def update(model, minibatches: list[list[Trajectory]], loss_factory, dp_group, mask_key: str) -> dict[str, float]:
-    """One optimizer step per mini-batch; returns metrics averaged over the mini-batches."""
+def update(model, batch: StepBatch, minibatches: list[list[int]], loss_factory, dp_group,
+           mask: torch.Tensor) -> dict[str, float]:
+    """One optimizer step per mini-batch (rows of `batch`); metrics averaged over mini-batches.
+    `mask` ([B, T] of `batch`) gives the loss denominators: loss_mask or value_mask."""
     totals: dict[str, float] = {}
-    for local in minibatches:
-        counts = global_counts_for(local, dp_group, mask_key)
-        metrics = model.train_step(local, loss_factory(counts))
+    for rows in minibatches:
+        metrics = model.train_step(batch, loss_factory(global_counts(batch, rows, dp_group, mask)), rows)
         for k, v in metrics.items():
             totals[k] = totals.get(k, 0.0) + v / len(minibatches)
     return totals
-
-
-def global_counts_for(trajs: list[Trajectory], dp_group, mask_key: str) -> dict[str, float]:
-    if mask_key == "loss_mask":
-        return global_counts(trajs, dp_group)
-    tok = torch.tensor([sum(float(t.tensors[mask_key].sum()) for t in trajs)], dtype=torch.float64)
-    dist.all_reduce(tok, group=dp_group)
-    return {"tokens": max(float(tok), 1.0)}

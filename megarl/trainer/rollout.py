@@ -46,7 +46,8 @@ class RolloutWorker:
         self.rewards = reward_manager
         self.cfg = cfg
         self.ranks_per_engine = ranks_per_engine  # consecutive ranks sharing one engine (SGLang rollout_tp)
-        self.metrics: dict[str, float] = {}
+        self.metrics: dict[str, float] = {}  # reward counts and sums of the last generate call
+        self.policy_version = 0  # the step whose weights the engine holds (set by the loop)
 
     def generate(self, items, encoded: list[list[int]], sampling: SamplingParams) -> list[Trajectory]:
         """Generates `sampling.n` responses per item on this engine's share, scores them, gathers.
@@ -79,11 +80,11 @@ class RolloutWorker:
             item = items[s.index]
             text = s.text or self.tokenizer.decode(s.response_ids, skip_special_tokens=True)
             inputs.append(RewardInput(data_source=item.data_source, prompt=item.prompt, response=text,
-                                      gold=item.answer, extra=item.extra))
+                                      gold=item.answer, reference=item.reference, extra=item.extra))
         outputs, metrics = self.rewards.score(inputs)
         algo = self.cfg.algorithm
         lengths = torch.tensor([len(s.response_ids) for s in samples])
-        shaping = (overlong_penalty(lengths, algo.overlong_max_len, algo.overlong_cache_len, algo.overlong_factor)
+        shaping = (overlong_penalty(lengths, overlong_max_len(self.cfg), algo.overlong_cache_len, algo.overlong_factor)
                    if algo.overlong_penalty else torch.zeros(len(samples)))
         trajs = []
         for s, out, extra in zip(samples, outputs, shaping.tolist()):
@@ -92,8 +93,14 @@ class RolloutWorker:
                 uid=item.uid, prompt_ids=list(s.prompt_ids), response_ids=list(s.response_ids),
                 rollout_logprobs=list(s.logprobs), finish_reason=s.finish_reason,
                 score=float(out.score) + extra, acc=bool(out.acc), data_source=item.data_source,
+                policy_version=self.policy_version,
             ))
         return trajs, {k: float(v) for k, v in metrics.items()}
+
+
+def overlong_max_len(cfg) -> int:
+    """L_max of the soft overlong punishment: algorithm.overlong_max_len, or the generation cap."""
+    return cfg.algorithm.overlong_max_len or cfg.rollout.max_new_tokens
 
 
 def _sum_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
@@ -131,6 +138,7 @@ def collect_step_batch(next_items, encode, worker: RolloutWorker, cfg, step: int
         trajs = worker.generate(items, encode(items), sampling_from_config(ro, seed=_seed(cfg, step, 0)))
         stats["rollout/rounds"] = 1.0
         return trajs, {**stats, **_generation_metrics(trajs, trajs), **worker.metrics}
+    reward_metrics: dict[str, float] = {}
     rnd = 0
     while len(buffer) < ro.prompts_per_step:
         if rnd >= ro.max_gen_batches:
@@ -142,6 +150,8 @@ def collect_step_batch(next_items, encode, worker: RolloutWorker, cfg, step: int
         items = next_items(ro.gen_batch_prompts or ro.prompts_per_step)
         trajs = worker.generate(items, encode(items), sampling_from_config(ro, seed=_seed(cfg, step, rnd)))
         all_generated.extend(trajs)
+        for k, v in worker.metrics.items():  # counts and sums: add up over the rounds
+            reward_metrics[k] = reward_metrics.get(k, 0.0) + v
         groups = group_by_uid(trajs)
         buffer.extend(keep_mixed_groups(groups))
         stats["rollout/generated_groups"] += len(groups)
@@ -152,7 +162,7 @@ def collect_step_batch(next_items, encode, worker: RolloutWorker, cfg, step: int
         buffer.clear()  # ALGORITHMS.md §2: truncate to exactly prompts_per_step groups
     batch = [t for g in taken for t in g]
     stats["rollout/kept_group_frac"] = len(taken) / max(stats["rollout/generated_groups"], 1.0)
-    return batch, {**stats, **_generation_metrics(all_generated or batch, batch), **worker.metrics}
+    return batch, {**stats, **_generation_metrics(all_generated or batch, batch), **reward_metrics}
 
 
 def _seed(cfg, step: int, rnd: int) -> int:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from megarl.parallel.distributed import init_distributed
 from megarl.trainer import build, ppo, vocab_parallel
-from megarl.trainer.batch import MicroBatch, Trajectory
+from megarl.trainer.batch import MicroBatch, StepBatch, Trajectory
 from megarl.trainer.metrics import MetricsLogger
 from megarl.trainer.progress import Progress
 
@@ -59,8 +59,7 @@ def load_sft_rows(path: str, tokenizer, max_len: int) -> tuple[list[Trajectory],
 def nll_loss_fn(counts: dict[str, float]):
     def loss_fn(mb: MicroBatch, logits):
         logp = mb.gather(vocab_parallel.token_log_probs(logits, mb.targets))
-        mask = mb.resp_mask
-        loss = -(logp * mask).sum() / counts["tokens"]
+        loss = -(logp * mb.data.loss_mask).sum() / counts["tokens"]
         return loss, {"sft/nll": loss.detach()}
 
     return loss_fn
@@ -92,14 +91,13 @@ def sft(cfg, max_steps: int | None = None, save_to: str | None = None) -> dict:
             fresh = list(range(len(rows)))
             rng.shuffle(fresh)
             order += fresh
-        batch = [rows[i] for i in order[: cfg.sft.batch_size]]
+        batch = StepBatch.from_trajectories([rows[i] for i in order[: cfg.sft.batch_size]])
         del order[: cfg.sft.batch_size]
-        for t in batch:
-            t.tensors["loss_mask"] = torch.ones(len(t.response_ids))
+        batch.loss_mask = batch.response_mask
         local = ppo.split_minibatches(batch, len(batch), step, dp_rank, dp_size)[0]
-        counts = ppo.global_counts(local, dp_group)
+        counts = ppo.global_counts(batch, local, dp_group, batch.loss_mask)
         actor.set_lr(step)
-        metrics = actor.train_step(local, nll_loss_fn(counts))
+        metrics = actor.train_step(batch, nll_loss_fn(counts), local)
         nll = metrics["sft/nll"]
         if not torch.isfinite(torch.tensor(nll)):
             raise FloatingPointError(f"SFT step {step}: NLL is {nll}; stopping without saving")

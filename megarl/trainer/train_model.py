@@ -19,7 +19,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megarl.trainer.batch import MicroBatch, build_microbatch
+from megarl.parallel.distributed import device
+from megarl.trainer.batch import MicroBatch, StepBatch, split_microbatches
 
 # the distributed optimizer's reshardable format: loads under another DP / TP / PP layout
 OPTIM_CKPT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -45,7 +46,7 @@ def lr_at(step: int, optim, total_steps: int) -> float:
 class TrainModel:
     def __init__(self, hf_config, optim=None, *, value_head: bool = False, dtype: str = "fp32",
                  impl: str = "local", total_steps: int = 1, padded_vocab: int | None = None, seed: int = 0,
-                 batching=None):
+                 batching=None, model_options: dict | None = None):
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads
@@ -62,9 +63,10 @@ class TrainModel:
         self.row_tokens = None if self.use_te or not batching else batching.pack_row_tokens
         self.hf_source_dir: str | None = None  # copied into checkpoints (tokenizer files)
         chunks = build_model(hf_config, value_head=value_head, dtype=dtype, impl=impl,
-                             padded_vocab=padded_vocab, seed=seed)
+                             padded_vocab=padded_vocab, seed=seed, config_overrides=model_options)
         self.chunks = chunks if isinstance(chunks, list) else [chunks]
         self.config = self.chunks[0].config
+        self.pad_multiple = sequence_pad_multiple(self.config, self.use_te)
         self.optimizer = None
         self._offloaded = False
         if optim is not None:
@@ -74,6 +76,8 @@ class TrainModel:
             self.chunks = [DistributedDataParallel(self.config, ddp_cfg, c) for c in self.chunks]
             self.config.finalize_model_grads_func = finalize_model_grads
             self.optimizer = self._make_optimizer(optim, dtype)
+            # the schedules scale the loss by it before backward (fp16 loss scaling; 1 otherwise)
+            self.config.grad_scale_func = self.optimizer.scale_loss
         self.pp_group = ps.get_pipeline_model_parallel_group()
         self.dp_group = ps.get_data_parallel_group()
         self.dp_size = ps.get_data_parallel_world_size()
@@ -90,8 +94,10 @@ class TrainModel:
             adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
             clip_grad=optim.clip_grad, use_distributed_optimizer=optim.use_distributed_optimizer,
             bf16=dtype == "bf16", fp16=dtype == "fp16", params_dtype=_torch_dtype(dtype),
-            # megatron's HybridDeviceOptimizer: Adam state and step on the CPU (GPU only)
+            # megatron's HybridDeviceOptimizer: Adam state and step on the CPU (GPU only); megatron
+            # supports it only as a precision-aware distributed optimizer
             optimizer_cpu_offload=optim.offload_optimizer,
+            use_precision_aware_optimizer=optim.offload_optimizer,
             optimizer_offload_fraction=1.0 if optim.offload_optimizer else 0.0,
         )
         return get_megatron_optimizer(cfg, self.chunks)
@@ -123,12 +129,13 @@ class TrainModel:
             group["lr"] = lr
         return lr
 
-    def microbatches(self, trajs) -> list[MicroBatch]:
-        """Token-budget micro-batches (first-fit-decreasing, whole sequences), packed into rows."""
-        from megarl.data.packing import token_budget_microbatches
-
-        groups = token_budget_microbatches([t.length for t in trajs], self.max_tokens)
-        return [build_microbatch([trajs[i] for i in g], self.row_tokens) for g in groups]
+    def microbatches(self, batch: StepBatch, rows: list[int] | None = None) -> list[MicroBatch]:
+        """Token-budget micro-batches (first-fit-decreasing, whole sequences) of `rows` (default
+        all), packed into rows; host tensors, moved to the device one at a time by the schedule."""
+        rows = list(range(len(batch))) if rows is None else rows
+        if not rows:
+            return []
+        return split_microbatches(batch, rows, self.max_tokens, self.row_tokens, self.pad_multiple)
 
     # ---- GPU memory between phases -----------------------------------------------------------
     def offload(self) -> None:
@@ -172,11 +179,11 @@ class TrainModel:
     # ---- forward / backward ----------------------------------------------------------------
     def _forward_step(self, loss_fn: LossFn, scale: float):
         def forward_step(data_iterator, model):
-            mb: MicroBatch = next(data_iterator)
-            kwargs = {}
+            mb: MicroBatch = next(data_iterator).to(device())
             if self.use_te:
-                kwargs["packed_seq_params"] = _thd_params(mb.cu_seqlens)
-            out = model(mb.input_ids, mb.position_ids, None if self.use_te else mb.attention_mask, **kwargs)
+                out = model(mb.input_ids, mb.position_ids, None, packed_seq_params=_thd_params(mb.cu_seqlens))
+            else:
+                out = model(mb.input_ids, mb.position_ids, mb.attention_mask())
 
             def loss_func(output):
                 loss, logs = loss_fn(mb, output)
@@ -203,45 +210,32 @@ class TrainModel:
         )
 
     @torch.no_grad()
-    def forward_only(self, trajs, per_token_fn, keys: list[str]) -> None:
-        """Runs `per_token_fn(mb, output) -> dict[key, [n, T] tensor]` on every micro-batch and
-        stores the results on the trajectories, on every PP stage (broadcast from the last)."""
-        microbatches = self.microbatches(trajs)
+    def forward_only(self, batch: StepBatch, per_token_fn) -> torch.Tensor:
+        """Runs `per_token_fn(mb, output) -> [n, T_mb]` on every micro-batch and returns the
+        results as a [B, T] float32 host tensor aligned with `batch`, on every PP stage
+        (broadcast from the last, which alone computes outputs)."""
+        microbatches = self.microbatches(batch)
+        out = torch.zeros(len(batch), batch.width, device=device())
         for c in self.chunks:
             c.eval()
 
         def loss_fn(mb, output):
-            for key, vals in per_token_fn(mb, output).items():
-                for i, t in enumerate(mb.trajectories):
-                    t.tensors[key] = vals[i, : len(t.response_ids)].float().clone()
+            vals = per_token_fn(mb, output)
+            out[torch.tensor(mb.rows, device=out.device), : vals.shape[1]] = vals.detach().float()
             return output.new_zeros(()), {}
 
         if microbatches:
             self.run(microbatches, loss_fn, forward_only=True)
-        self._broadcast_from_last_stage(microbatches, keys)
         for c in self.chunks:
             c.train()
+        if dist.get_world_size(self.pp_group) > 1:
+            dist.broadcast(out, src=dist.get_process_group_ranks(self.pp_group)[-1], group=self.pp_group)
+        return out.cpu() * batch.response_mask
 
-    def _broadcast_from_last_stage(self, microbatches: list[MicroBatch], keys: list[str]) -> None:
-        if dist.get_world_size(self.pp_group) == 1:
-            return
-        trajs = [t for mb in microbatches for t in mb.trajectories]
-        total = sum(len(t.response_ids) for t in trajs)
-        src = dist.get_process_group_ranks(self.pp_group)[-1]
-        for key in keys:
-            if self.is_last_stage:
-                flat = torch.cat([t.tensors[key] for t in trajs]) if trajs else torch.zeros(0)
-            else:
-                flat = torch.empty(total)
-            dist.broadcast(flat, src=src, group=self.pp_group)
-            if not self.is_last_stage:
-                for t, v in zip(trajs, flat.split([len(t.response_ids) for t in trajs])):
-                    t.tensors[key] = v.clone()
-
-    def train_step(self, trajs, loss_fn: LossFn) -> dict[str, float]:
-        """One optimizer step over the mini-batch's local micro-batches. Returns summed metrics
-        (already normalised by global denominators in loss_fn) plus grad_norm."""
-        microbatches = self.microbatches(trajs)
+    def train_step(self, batch: StepBatch, loss_fn: LossFn, rows: list[int] | None = None) -> dict[str, float]:
+        """One optimizer step over micro-batches of `rows` of the batch (default all). Returns
+        summed metrics (already normalised by global denominators in loss_fn) plus grad_norm."""
+        microbatches = self.microbatches(batch, rows)
         for c in self.chunks:
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -298,10 +292,22 @@ def _torch_dtype(name: str) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
+def sequence_pad_multiple(config, use_te: bool) -> int:
+    """Every packed sequence is padded to a multiple of this: TP with sequence parallelism splits
+    the token dimension over TP ranks; FP8 GEMMs need token counts divisible by 16; CP (THD)
+    splits every sequence into 2*CP chunks."""
+    m = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    if config.fp8:
+        m = math.lcm(m, 16)
+    if use_te and config.context_parallel_size > 1:
+        m = math.lcm(m, 2 * config.context_parallel_size)
+    return m
+
+
 def _thd_params(cu_seqlens: torch.Tensor):
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    cu = cu_seqlens.to(device=torch.cuda.current_device(), dtype=torch.int32)
+    cu = cu_seqlens.to(dtype=torch.int32)
     max_len = int((cu[1:] - cu[:-1]).max())
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                            max_seqlen_q=max_len, max_seqlen_kv=max_len)
@@ -324,11 +330,11 @@ def _reduce_metrics(metrics: dict[str, float], pp_group, dp_group, is_last: bool
         src = dist.get_process_group_ranks(pp_group)[-1]
         dist.broadcast_object_list(holder, src=src, group=pp_group)
     keys = holder[0] or []
-    vals = torch.tensor([metrics.get(k, 0.0) for k in keys], dtype=torch.float64)
+    vals = torch.tensor([metrics.get(k, 0.0) for k in keys], dtype=torch.float64, device=device())
     if keys:
         if is_last:
             dist.all_reduce(vals, group=dp_group)
         if dist.get_world_size(pp_group) > 1:
             src = dist.get_process_group_ranks(pp_group)[-1]
             dist.broadcast(vals, src=src, group=pp_group)
-    return dict(zip(keys, vals.tolist()))
+    return dict(zip(keys, vals.cpu().tolist()))

@@ -18,8 +18,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_torchrun(script: str | Path, nproc: int, args: list[str], out_json: Path, timeout: int = 600) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
+def run_torchrun(script: str | Path, nproc: int, args: list[str], out_json: Path, timeout: int = 600,
+                 strict_device: bool = True) -> dict:
+    """strict_device: run under the CPU runtime's strict device mode (megarl.parallel.strict_device),
+    so a tensor a GPU run would find on the wrong device fails here too."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore",
+               MEGARL_STRICT_DEVICE="1" if strict_device else "0")
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
         "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),

@@ -19,24 +19,43 @@ import torch.distributed as dist
 from megarl.config import load_config
 from megarl.parallel.distributed import ParallelSizes, init_distributed
 from megarl.trainer import checkpoint, ppo
-from megarl.trainer.batch import Trajectory
+from megarl.trainer.batch import StepBatch, Trajectory
 from megarl.trainer.build import load_hf_config_and_tokenizer
 from megarl.trainer.train_model import TrainModel
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def fixed_batch(vocab: int, n: int = 8) -> list[Trajectory]:
+def fixed_batch(vocab: int, cfg, n: int = 8) -> StepBatch:
     rng = random.Random(0)
-    trajs = []
+    trajs, advantages = [], []
     for i in range(n):
         p = [rng.randrange(3, vocab) for _ in range(rng.randint(3, 6))]
         r = [rng.randrange(3, vocab) for _ in range(rng.randint(2, 7))]
-        t = Trajectory(uid=str(i // 4), prompt_ids=p, response_ids=r, rollout_logprobs=[0.0] * len(r),
-                       finish_reason="stop", score=float(i % 3 == 0), acc=i % 3 == 0)
-        t.tensors["advantages"] = torch.tensor([rng.uniform(-1, 1) for _ in r])
-        trajs.append(t)
-    return trajs
+        trajs.append(Trajectory(uid=str(i // 4), prompt_ids=p, response_ids=r, rollout_logprobs=[0.0] * len(r),
+                                finish_reason="stop", score=float(i % 3 == 0), acc=i % 3 == 0))
+        advantages.append([rng.uniform(-1, 1) for _ in r])
+    batch = StepBatch.from_trajectories(trajs)
+    batch.advantages = torch.zeros_like(batch.response_mask)
+    for i, a in enumerate(advantages):
+        batch.advantages[i, : len(a)] = torch.tensor(a)
+    ppo.set_masks(batch, cfg)
+    return batch
+
+
+def train_two_steps(model, cfg, batch) -> tuple[list[float], list[float]]:
+    from megatron.core import parallel_state as ps
+
+    losses, norms = [], []
+    for step in range(2):
+        rows, mbs = ppo.local_minibatches(ppo.split_minibatches(
+            batch, len(batch), step, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()))
+        local = batch.select(rows)
+        m = ppo.update(model, local, mbs, lambda c: ppo.actor_loss_fn(cfg, c, 1.0), ps.get_data_parallel_group(),
+                       local.loss_mask)
+        losses.append(m["actor/pg_loss"])
+        norms.append(m["grad_norm"])
+    return losses, norms
 
 
 def case_layouts(cfg, hf_config) -> dict:
@@ -51,17 +70,11 @@ def case_layouts(cfg, hf_config) -> dict:
         model = TrainModel(hf_config, cfg.actor, dtype="fp32")
         load_hf_weights(model.chunks, cfg.model.hf_path)
         model.optimizer.reload_model_params()
-        trajs = fixed_batch(hf_config.vocab_size)
-        ppo.set_masks(trajs, cfg)
-        ppo.compute_log_probs(model, trajs, "old_logprobs", 1.0)
-        for t in trajs:  # make the clip active on some tokens
-            t.tensors["old_logprobs"] = t.tensors["old_logprobs"] + 0.3 * torch.sin(torch.arange(len(t.response_ids)))
-        losses, norms = [], []
-        for step in range(2):
-            mbs = ppo.split_minibatches(trajs, len(trajs), step, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
-            m = ppo.update(model, mbs, lambda c: ppo.actor_loss_fn(cfg, c, 1.0), ps.get_data_parallel_group(), "loss_mask")
-            losses.append(m["actor/pg_loss"])
-            norms.append(m["grad_norm"])
+        batch = fixed_batch(hf_config.vocab_size, cfg)
+        batch.old_logprobs = ppo.compute_log_probs(model, batch, 1.0)
+        # make the clip active on some tokens
+        batch.old_logprobs += 0.3 * torch.sin(torch.arange(batch.width)) * batch.response_mask
+        losses, norms = train_two_steps(model, cfg, batch)
         out[f"tp{tp}_pp{pp}"] = {"losses": losses, "grad_norms": norms,
                                  "schedule": get_forward_backward_func().__name__}
     return out
@@ -91,14 +104,12 @@ def case_nan(cfg, hf_config, root: Path) -> dict:
     latest = checkpoint.read_latest(root / "resumed")
     model = TrainModel(hf_config, cfg.actor, dtype="fp32")
     model.load(str(latest / "actor"))
-    trajs = fixed_batch(hf_config.vocab_size)
-    ppo.set_masks(trajs, cfg)
-    ppo.compute_log_probs(model, trajs, "old_logprobs", 1.0)
-    trajs[0].tensors["advantages"][0] = float("nan")
+    batch = fixed_batch(hf_config.vocab_size, cfg)
+    batch.old_logprobs = ppo.compute_log_probs(model, batch, 1.0)
+    batch.advantages[0, 0] = float("nan")
     error = ""
     try:
-        mbs = ppo.split_minibatches(trajs, len(trajs), 0, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
-        ppo.update(model, mbs, lambda c: ppo.actor_loss_fn(cfg, c, 1.0), ps.get_data_parallel_group(), "loss_mask")
+        train_two_steps(model, cfg, batch)
     except FloatingPointError as e:
         error = str(e)
     after = checkpoint.read_latest(root / "resumed")

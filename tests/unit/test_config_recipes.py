@@ -22,9 +22,9 @@ def algo(name: str):
 
 def test_expected_files_are_shipped():
     names = {os.path.relpath(p, os.path.join(CONFIGS, "recipes")) for p in RECIPES}
-    assert names == {f"qwen2.5-32b/{a}.yaml" for a in ("dapo", "vapo", "ppo", "grpo", "tppo")} | {
+    assert names == {f"qwen2.5-32b/{a}.yaml" for a in ("dapo", "vapo", "ppo", "grpo")} | {
         f"qwen2.5-7b/{a}.yaml" for a in ("dapo", "vapo", "grpo")}
-    assert {os.path.basename(p) for p in ALGORITHMS} == {f"{a}.yaml" for a in ("grpo", "dapo", "ppo", "vc_ppo", "vapo", "tppo")}
+    assert {os.path.basename(p) for p in ALGORITHMS} == {f"{a}.yaml" for a in ("grpo", "dapo", "ppo", "vc_ppo", "vapo")}
 
 
 @pytest.mark.parametrize("path", ALGORITHMS + RECIPES, ids=lambda p: os.path.relpath(p, CONFIGS))
@@ -57,7 +57,7 @@ def test_vapo_paper_settings():
     assert (c.rollout.prompts_per_step, c.rollout.n_samples_per_prompt, a.mini_batch_size) == (512, 16, 512)
 
 
-def test_ppo_vc_ppo_grpo_tppo_settings():
+def test_ppo_vc_ppo_grpo_settings():
     p = algo("ppo")
     assert (p.algorithm.advantage, p.algorithm.lam_actor, p.algorithm.lam_critic, p.algorithm.loss_agg) == ("gae", 0.95, 0.95, "seq-mean-token-mean")
     assert (p.rollout.prompts_per_step, p.rollout.n_samples_per_prompt, p.algorithm.mini_batch_size) == (8192, 1, 512)
@@ -66,9 +66,6 @@ def test_ppo_vc_ppo_grpo_tppo_settings():
     g = algo("grpo")
     assert (g.algorithm.advantage, g.algorithm.loss_agg, g.algorithm.kl_type) == ("grpo", "seq-mean-token-mean", "k3")
     assert g.algorithm.kl_coef > 0 and not g.critic.enable
-    t = algo("tppo")
-    assert (t.algorithm.advantage, t.rollout.window, t.rollout.max_new_tokens, t.algorithm.kl_coef) == ("egae", 8192, 24576, 0.0)
-    assert t.critic.enable and t.algorithm.lam_critic == 1.0
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: os.path.relpath(p, CONFIGS))

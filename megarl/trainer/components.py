@@ -1,0 +1,128 @@
+"""What an RL run is made of (models, engine, rollout worker, data, logging) and the phase
+operations the loop calls on them: generation with the training state off the GPU, weight
+sync, evaluation, checkpoints, resume."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from megarl.rollout import SamplingParams
+from megarl.trainer import build, checkpoint
+from megarl.trainer.metrics import MetricsLogger, PhaseTimer
+from megarl.trainer.rollout import RolloutWorker
+from megarl.trainer.state import TrainerState
+from megarl.trainer.train_model import TrainModel
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunComponents:
+    cfg: object
+    hf_config: object
+    actor: TrainModel
+    critic: TrainModel | None
+    ref: TrainModel | None
+    engine: object
+    worker: RolloutWorker
+    data: build.PromptData
+    logger: MetricsLogger
+    timer: PhaseTimer
+    dp_group: object
+    dp_rank: int
+    dp_size: int
+
+    @property
+    def train_models(self) -> list[TrainModel]:
+        return [m for m in (self.actor, self.critic, self.ref) if m is not None]
+
+    @contextlib.contextmanager
+    def generation(self, release: bool):
+        """The engine has the GPU: actor/critic/ref state leaves it (rollout.offload_train_state;
+        GPU only) before the engine's memory comes back. With `release` the engine gives its
+        memory (and, for SGLang, its weights) back before the training state returns: training
+        follows, and the next `sync_weights` reloads the weights."""
+        if self.cfg.rollout.offload_train_state:
+            for m in self.train_models:
+                m.offload()
+        self.engine.resume_memory()
+        try:
+            yield
+        finally:
+            if release:
+                self.engine.release_memory()
+            for m in self.train_models:
+                m.onload()
+
+    def sync_weights(self, version: int) -> None:
+        """Streams the actor's weights into the engine, which then generates for `version`."""
+        from megarl.weights import stream_hf_weights
+
+        with self.timer("weight_sync"):
+            self.engine.resume_memory()
+            self.engine.update_weights(stream_hf_weights(self.actor.modules, self.hf_config,
+                                                         self.cfg.rollout.weight_bucket_mb << 20))
+        self.worker.policy_version = version
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """avg@k accuracy (pass@1 averaged over k samples) per eval set and over all sets."""
+        cfg, out = self.cfg, {}
+        with self.generation(release=False):  # one offload for all eval sets; the weights stay
+            for ev in self.data.evals:
+                s = {"n_samples": cfg.eval.n_samples, "temperature": cfg.eval.temperature,
+                     "top_p": cfg.eval.top_p, "max_new_tokens": cfg.eval.max_new_tokens, **ev.sampling}
+                sampling = SamplingParams(n=s["n_samples"], temperature=s["temperature"], top_p=s["top_p"],
+                                          max_new_tokens=s["max_new_tokens"], seed=cfg.trainer.seed + step)
+                trajs = self.worker.generate(ev.items, self.data.encode(ev.items), sampling)
+                out[f"eval/{ev.name}/accuracy"] = sum(t.acc for t in trajs) / max(len(trajs), 1)
+                out[f"eval/{ev.name}/response_length"] = sum(len(t.response_ids) for t in trajs) / max(len(trajs), 1)
+        if out:
+            out["eval/accuracy"] = sum(v for k, v in out.items() if k.endswith("/accuracy")) / len(self.data.evals)
+            self.logger.log(step, out)
+        return out
+
+    def next_items(self, n: int):
+        self.data.train.batch_prompts = n
+        return self.data.train.next_batch()
+
+    def save(self, state: TrainerState) -> None:
+        state.data = self.data.train.state_dict()
+        models = {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
+        checkpoint.save_checkpoint(self.cfg.trainer.run_dir, state.step, models, state.state_dict(),
+                                   self.cfg.trainer.keep_last)
+
+    def resume(self, state: TrainerState) -> None:
+        """Loads the newest complete checkpoint of the run dir into the models and `state`."""
+        latest = checkpoint.read_latest(self.cfg.trainer.run_dir)
+        if latest is None:
+            return
+        self.actor.load(str(latest / "actor"))
+        if self.critic is not None:
+            self.critic.load(str(latest / "critic"))
+        state.load_state_dict(checkpoint.load_trainer_state(latest))
+        self.data.train.load_state_dict(state.data)
+        if dist.get_rank() == 0:
+            log.info("resumed from %s at step %d", latest, state.step)
+
+
+def build_components(cfg) -> RunComponents:
+    from megatron.core import parallel_state as ps
+
+    hf_config, tokenizer = build.load_hf_config_and_tokenizer(cfg.model.hf_path)
+    actor = build.build_actor(cfg, hf_config)
+    critic = build.build_critic(cfg, hf_config, actor) if cfg.critic.enable else None
+    ref = build.build_actor(cfg, hf_config, optim=False) if cfg.algorithm.kl_coef > 0 else None
+    engine = build.build_engine(cfg, hf_config, tokenizer)
+    rewards = build.build_rewards(cfg, hf_config, tokenizer)
+    worker = RolloutWorker(engine, tokenizer, rewards, cfg,
+                           ranks_per_engine=cfg.parallel.rollout_tp if cfg.rollout.engine == "sglang" else 1)
+    return RunComponents(
+        cfg=cfg, hf_config=hf_config, actor=actor, critic=critic, ref=ref, engine=engine, worker=worker,
+        data=build.build_data(cfg, tokenizer), logger=MetricsLogger(cfg.trainer.run_dir, cfg.trainer.tensorboard),
+        timer=PhaseTimer(), dp_group=ps.get_data_parallel_group(), dp_rank=ps.get_data_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(),
+    )

@@ -1,0 +1,46 @@
+"""The resumable state of an RL run besides the models: step, data position, RNG, carried
+samples, the KL coefficient. One object, saved in every checkpoint as `trainer_state.pt`
+(tensors and plain values only: it loads with torch.load(weights_only=True))."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from megarl.trainer.batch import Trajectory
+
+
+@dataclass
+class TrainerState:
+    step: int = 0  # rollout steps completed
+    data: dict = field(default_factory=dict)  # the prompt sampler's state_dict
+    carried_groups: list[list[Trajectory]] = field(default_factory=list)  # dynamic-sampling groups for the next step
+    kl_coef: float = 0.0  # current KL coefficient (changes under the adaptive controller)
+
+    def state_dict(self) -> dict:
+        """This state plus the global RNG states (python, numpy, torch), as of now."""
+        return {"step": self.step, "data": self.data, "kl_coef": self.kl_coef,
+                "carried_groups": [[t.state() for t in g] for g in self.carried_groups], "rng": _get_rng()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Restores the state and the global RNG states saved with it."""
+        self.step, self.data, self.kl_coef = int(sd["step"]), sd["data"], float(sd["kl_coef"])
+        self.carried_groups = [[Trajectory(**t) for t in g] for g in sd["carried_groups"]]
+        _set_rng(sd["rng"])
+
+
+def _get_rng() -> dict:
+    py = random.getstate()
+    _, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"python": list(py[1]), "numpy": torch.from_numpy(keys.astype(np.int64)),
+            "numpy_extra": [int(pos), int(has_gauss), float(gauss)], "torch": torch.get_rng_state()}
+
+
+def _set_rng(state: dict) -> None:
+    random.setstate((3, tuple(state["python"]), None))
+    pos, has_gauss, gauss = state["numpy_extra"]
+    np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])

@@ -1,0 +1,81 @@
+"""Worker for tests/distributed/test_strict_device.py: one process under strict device mode.
+
+Each case runs a piece of code the way a GPU run would see it and records the error (or None).
+"""
+
+import json
+import random
+import sys
+
+import torch
+import torch.distributed as dist
+
+from megarl.parallel import cpu_runtime, strict_device
+from megarl.parallel.distributed import ParallelSizes, device, init_distributed
+
+
+def error_of(fn) -> str | None:
+    try:
+        fn()
+    except strict_device.DeviceMismatchError as e:
+        return str(e)
+    return None
+
+
+def main(model_dir: str, out: str) -> None:
+    from megatron.core import parallel_state as ps
+
+    from megarl.config import load_config
+    from megarl.trainer import ppo
+    from megarl.trainer.batch import StepBatch, Trajectory, build_microbatch
+    from megarl.trainer.build import load_hf_config_and_tokenizer
+    from megarl.trainer.train_model import TrainModel
+    from megarl.weights import load_hf_weights, stream_hf_weights
+
+    cpu_runtime.activate(strict=True)
+    init_distributed(ParallelSizes(), seed=0)
+    cfg = load_config("configs/algorithms/ppo.yaml", [
+        f"model.hf_path={model_dir}", "model.dtype=fp32", "actor.max_tokens_per_microbatch=64",
+        "rollout.max_new_tokens=12", "data.max_prompt_len=32"])
+    hf_config, _ = load_hf_config_and_tokenizer(model_dir)
+    model = TrainModel(hf_config, cfg.actor, dtype="fp32")
+    load_hf_weights(model.chunks, model_dir)
+    model.optimizer.reload_model_params()
+    rng = random.Random(0)
+    trajs = []
+    for i in range(4):
+        r = [rng.randrange(3, 100) for _ in range(rng.randint(2, 6))]
+        trajs.append(Trajectory(str(i // 2), [rng.randrange(3, 100) for _ in range(4)], r, [0.0] * len(r), "stop"))
+    batch = StepBatch.from_trajectories(trajs)
+    ppo.set_masks(batch, cfg)
+    mb = build_microbatch(batch, [0, 1, 2, 3], row_tokens=64)
+    gpt = model.modules[0]
+    dp = ps.get_data_parallel_group()
+    res = {
+        "params_on_device": all(strict_device.on_device(p) for p in gpt.parameters()),
+        # defect 1 as it was: host micro-batch tensors into the model on the GPU
+        "host_microbatch_into_model": error_of(lambda: gpt(mb.input_ids, mb.position_ids, mb.attention_mask())),
+        "device_microbatch_into_model": error_of(
+            lambda: gpt(*(t.to(device()) for t in (mb.input_ids, mb.position_ids, mb.attention_mask())))),
+        # defect 2 as it was: host tensors in collectives of NCCL groups (metric / count reductions)
+        "host_tensor_dp_all_reduce": error_of(lambda: dist.all_reduce(torch.zeros(2, dtype=torch.float64), group=dp)),
+        "device_tensor_dp_all_reduce": error_of(lambda: dist.all_reduce(torch.zeros(2, device=device()), group=dp)),
+        "host_tensor_gloo_group": error_of(lambda: dist.all_reduce(torch.zeros(2), group=dist.new_group([0], backend="gloo"))),
+        "numpy_of_device_tensor": error_of(lambda: torch.ones(2, device=device()).numpy()),
+        "loss_with_host_mask": error_of(lambda: (torch.ones(2, 3, device=device()) * torch.ones(2, 3)).sum()),
+    }
+    # the real code path: prepare, one train step, one weight stream, all on the device
+    batch.old_logprobs = ppo.compute_log_probs(model, batch, 1.0)
+    batch.advantages = torch.linspace(-1, 1, batch.response_mask.numel()).reshape(batch.response_mask.shape)
+    counts = ppo.global_counts(batch, [0, 1, 2, 3], dp, batch.loss_mask)
+    metrics = model.train_step(batch, ppo.actor_loss_fn(cfg, counts, 1.0))
+    res["train_step_grad_norm"] = metrics["grad_norm"]
+    streamed = [t for bucket in stream_hf_weights(model.modules, hf_config, 1 << 20) for _, t in bucket]
+    res["streamed_tensors"] = len(streamed)
+    res["streamed_on_device"] = all(strict_device.on_device(t) for t in streamed)
+    res["logprobs_on_host"] = not strict_device.on_device(batch.old_logprobs)
+    json.dump(res, open(out, "w"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

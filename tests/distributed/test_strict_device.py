@@ -1,0 +1,54 @@
+"""Strict device mode: the CPU suite fails where a GPU run would (megarl.parallel.strict_device).
+
+The misplaced tensors below are the GPU path's first-step defects as they were (host
+micro-batches into a model on the GPU, host tensors in NCCL-group collectives); the same code
+with device tensors passes, and a full train step plus a weight stream run clean.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.distributed.launch import REPO
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    from megarl.tasks.tiny_model import TinyModelSpec, save_tiny_model
+
+    root = tmp_path_factory.mktemp("strict")
+    save_tiny_model(root / "model", TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, seed=0))
+    out = root / "out.json"
+    proc = subprocess.run([sys.executable, str(REPO / "tests/distributed/scripts_strict_device.py"), str(root / "model"),
+                           str(out)], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_model_params_live_on_the_device(result):
+    assert result["params_on_device"]
+
+
+def test_host_microbatch_into_device_model_fails(result):
+    assert "expected all tensors on the same device" in result["host_microbatch_into_model"]
+    assert result["device_microbatch_into_model"] is None
+
+
+def test_host_tensor_in_nccl_collective_fails(result):
+    assert "NCCL group" in result["host_tensor_dp_all_reduce"]
+    assert result["device_tensor_dp_all_reduce"] is None
+    assert result["host_tensor_gloo_group"] is None  # gloo groups take host tensors on a GPU too
+
+
+def test_gpu_only_operations_fail(result):
+    assert "numpy" in result["numpy_of_device_tensor"]
+    assert "same device" in result["loss_with_host_mask"]
+
+
+def test_train_step_and_weight_stream_run_on_the_device(result):
+    assert result["train_step_grad_norm"] > 0
+    assert result["streamed_tensors"] > 0 and result["streamed_on_device"]
+    assert result["logprobs_on_host"]  # forward_only hands the step batch host tensors
