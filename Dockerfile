@@ -6,18 +6,29 @@
 #   enroot import -o megarl.sqsh dockerd://megarl:gpu     # for Slurm + pyxis: --container megarl.sqsh
 #
 # Version resolution (verified only by reading package metadata; not built on this project's CI):
-# - sglang 0.5.23 pins torch==2.14.1, transformers==5.19.0, tokenizers==0.23.2 and CUDA-13 kernels
-#   (flashinfer cu13, sglang-kernel). Its kernels are compiled against that exact torch, so the
-#   image takes SGLang's torch and drops the container's own torch build.
+# - One pinned set of versions for the CPU environment and this image: pyproject.toml pins
+#   transformers==5.19.0 and tokenizers==0.23.2, exactly what sglang 0.5.23 pins, and this image
+#   installs megarl's dependencies from pyproject.toml as they are. Only torch differs, plus the
+#   GPU-only packages (SGLang, Transformer Engine) that the CPU environment lacks.
+# - sglang 0.5.23 pins torch==2.14.1 and CUDA-13 kernels (flashinfer cu13, sglang-kernel). Its
+#   kernels are compiled against that exact torch, so the image takes SGLang's torch (pyproject's
+#   torch==2.13.0 is for the CPU environment) and drops the container's own torch build.
+# - The NGC base image (25.03 on) sets PIP_CONSTRAINT to /etc/pip/constraint.txt, which pins the
+#   container's own torch and friends; with it every `pip install` below would refuse torch
+#   2.14.1. PIP_CONSTRAINT is set empty and that file is emptied (pip skips an empty variable
+#   and would still apply a constraint named in a pip.conf), for the build and for the image,
+#   whose torch the file no longer describes.
 # - Replacing torch breaks every extension the base image compiled against its torch (Transformer
 #   Engine, apex, flash-attn): they are uninstalled, and Transformer Engine is rebuilt from source
 #   against torch 2.14.1 (the base image supplies nvcc and cuDNN). apex is not rebuilt:
 #   megatron-core takes fused Adam / norms from TE first and only falls back to apex.
 # - megatron-core 0.16.1's [dev] extra wants transformer-engine >=2.9.0a0,<2.12.0 -> 2.11.0.
-# - megarl itself pins torch==2.13.0 and transformers==4.57.1 for the CPU development environment;
-#   here it is installed with --no-deps and its remaining dependencies are installed from
-#   pyproject.toml minus torch / transformers / tokenizers / megatron-core, which the SGLang and
-#   TE stack provide (so the GPU image runs megarl on transformers 5.19.0).
+# - megarl is installed with --no-deps and its dependencies from pyproject.toml minus torch, under
+#   a constraints file holding the torch / transformers / tokenizers that SGLang installed: a
+#   pyproject pin that disagrees with SGLang's fails the build instead of replacing SGLang's.
+# - `import transformer_engine.pytorch` needs libcuda, which a GPU-less build host lacks: that
+#   check runs only when nvidia-smi sees a GPU; the megarl / megatron / sglang / nemo_run import
+#   check always runs.
 ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:26.01-py3
 FROM ${BASE_IMAGE}
 
@@ -28,15 +39,17 @@ ARG MCORE_VERSION=0.16.1
 ARG NEMO_RUN_VERSION=0.11.1
 ARG LEPTONAI_VERSION=0.26.7
 
-ENV PIP_NO_CACHE_DIR=1 \
+ENV PIP_CONSTRAINT="" \
+    PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONUNBUFFERED=1 \
     CUDA_DEVICE_MAX_CONNECTIONS=1
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
-# 1. drop the base image's torch and everything compiled against it
-RUN pip uninstall -y torch torchvision torchaudio transformer_engine transformer-engine \
+# 1. no base-image pip constraints; drop the base image's torch and everything compiled against it
+RUN if [ -f /etc/pip/constraint.txt ]; then : > /etc/pip/constraint.txt; fi \
+    && pip uninstall -y torch torchvision torchaudio transformer_engine transformer-engine \
         transformer_engine_torch transformer_engine_cu12 transformer_engine_cu13 apex flash_attn \
         torch_tensorrt megatron-core
 
@@ -50,15 +63,22 @@ RUN NVTE_FRAMEWORK=pytorch MAX_JOBS=8 pip install --no-cache-dir --no-build-isol
     && pip install --no-cache-dir "megatron-core==${MCORE_VERSION}" \
         "nemo-run==${NEMO_RUN_VERSION}" "leptonai==${LEPTONAI_VERSION}" "torch==${TORCH_VERSION}"
 
-# 4. megarl: code without its CPU pins, then its other dependencies from pyproject.toml
+# 4. megarl: code without its CPU torch pin, then its other dependencies from pyproject.toml
 WORKDIR /opt/megarl
 COPY pyproject.toml ./
 RUN python -c "import re, tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; \
-skip = {'torch', 'transformers', 'tokenizers', 'megatron-core', 'nemo-run', 'leptonai'}; \
+skip = {'torch'}; \
 print('\n'.join(d for d in deps if re.split(r'[<>=!~\[; ]', d, maxsplit=1)[0].lower() not in skip))" \
         > /tmp/megarl-deps.txt \
-    && printf 'torch==%s\n' "${TORCH_VERSION}" > /tmp/constraints.txt \
+    && python -c "from importlib.metadata import version; \
+print('\n'.join(f'{p}=={version(p)}' for p in ('torch', 'transformers', 'tokenizers')))" \
+        > /tmp/constraints.txt \
     && pip install --no-cache-dir -r /tmp/megarl-deps.txt -c /tmp/constraints.txt
 COPY . .
 RUN pip install --no-cache-dir --no-deps -e . \
-    && python -c "import megarl, megatron.core, sglang, transformer_engine.pytorch, nemo_run; print('megarl image ok')"
+    && python -c "import megarl, megatron.core, sglang, nemo_run; print('megarl image ok')" \
+    && if nvidia-smi -L > /dev/null 2>&1; then \
+        python -c "import transformer_engine.pytorch; print('transformer_engine ok')"; \
+    else \
+        echo "no GPU at build time: skipped the transformer_engine.pytorch import check"; \
+    fi

@@ -18,8 +18,12 @@ TRAIN_MODULE = "megarl.cli"
 # Set for every GPU job. CUDA_DEVICE_MAX_CONNECTIONS=1 keeps megatron's TP/SP communication kernels
 # ordered ahead of compute (required for its comm/compute overlap); async error handling makes a
 # failed NCCL collective abort the job (so Slurm can requeue it) instead of hanging to the timeout.
+# NCCL_CUMEM_ENABLE=0 on every rank: SGLang runs its schedulers with 0 unless it is already set
+# (srt/entrypoints/engine.py _set_envs_and_config), and the ranks of one NCCL communicator must
+# agree on it, so it is set once for all processes instead of only where an engine starts.
 DEFAULT_ENV = {
     "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+    "NCCL_CUMEM_ENABLE": "0",
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
     "NCCL_DEBUG": "WARN",
     "PYTHONUNBUFFERED": "1",

@@ -6,8 +6,9 @@
 
 Runs ``torchrun --standalone --nnodes 1 --nproc-per-node N -m megarl.cli train --config RECIPE
 [--config LAYOUT] overrides`` from the repository root with the launcher's environment defaults
-(CUDA_DEVICE_MAX_CONNECTIONS=1, ...). N defaults to parallel.gpus_per_node of the config; on a
-CPU machine pass e.g. ``--nproc 2``. ``--dryrun`` prints the command and environment only.
+(CUDA_DEVICE_MAX_CONNECTIONS=1, NCCL_CUMEM_ENABLE=0, ...; see launch_common.DEFAULT_ENV). N
+defaults to parallel.gpus_per_node of the config; on a CPU machine pass e.g. ``--nproc 2``.
+``--dryrun`` prints the command and environment only.
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ Run it on a login node (it calls sbatch through a nemo-run LocalTunnel; no SSH).
 ``torchrun ... -m megarl.cli train --config RECIPE [--config LAYOUT] overrides`` on every node,
 inside the container, in the working directory nemo-run prepares: by default the committed HEAD
 of this repository (git archive), or ``--code-dir`` (a checkout already on the shared filesystem).
-``--dryrun`` prints the sbatch script that nemo-run renders, and submits nothing.
+``--dryrun`` prints the sbatch script that nemo-run renders, and submits nothing. Every process
+of the job gets launch_common.DEFAULT_ENV (CUDA_DEVICE_MAX_CONNECTIONS=1, NCCL_CUMEM_ENABLE=0,
+...) plus the ``--env`` pairs.
 
 Failures: the script is submitted with ``--requeue``; when the job exits non-zero, nemo-run's
 script requeues it up to ``--retries`` times, and the recipes' ``trainer.resume=true`` continues

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from megarl.models.rope import SUPPORTED_ROPE_TYPES, rope_type_of
+from megarl.models.rope import SUPPORTED_ROPE_TYPES, partial_rotary_factor, rope_params, rope_type_of
 
 
 class UnsupportedModelError(ValueError):
@@ -82,8 +82,7 @@ def _common(hf_config: Any, *, head_dim: int, add_qkv_bias: bool, qk_layernorm: 
     layer_types = getattr(hf_config, "layer_types", None) or []
     _require(all(t == "full_attention" for t in layer_types), hf_config,
              "sliding-window attention (layer_types contains 'sliding_attention')")
-    _require(float(getattr(hf_config, "partial_rotary_factor", 1.0) or 1.0) == 1.0, hf_config,
-             "partial_rotary_factor != 1")
+    _require(partial_rotary_factor(hf_config) == 1.0, hf_config, "partial_rotary_factor != 1")
     rope = rope_type_of(hf_config)
     _require(rope in SUPPORTED_ROPE_TYPES, hf_config,
              f"rope_scaling type {rope!r} (supported: {sorted(SUPPORTED_ROPE_TYPES)})")
@@ -102,7 +101,7 @@ def _common(hf_config: Any, *, head_dim: int, add_qkv_bias: bool, qk_layernorm: 
         vocab_size=hf_config.vocab_size,
         max_position_embeddings=hf_config.max_position_embeddings,
         rms_norm_eps=float(hf_config.rms_norm_eps),
-        rope_theta=float(getattr(hf_config, "rope_theta", 10000.0)),
+        rope_theta=rope_params(hf_config).theta,
         add_qkv_bias=add_qkv_bias,
         qk_layernorm=qk_layernorm,
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),

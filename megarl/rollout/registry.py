@@ -19,6 +19,11 @@ def _builtin(**kwargs: Any) -> RolloutEngine:
 
 
 def _sglang(**kwargs: Any) -> RolloutEngine:
+    """model_path=<hf dir>, group=<gloo group of the engine's ranks>, SGLang server arguments.
+
+    Nothing starts here: SGLang sizes its KV pool when it starts, which `start()` or the first
+    `resume_memory()` does, once the training state is off the GPU.
+    """
     from megarl.rollout.sglang_engine import SGLangEngine
 
     return SGLangEngine(**kwargs)

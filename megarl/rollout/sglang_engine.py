@@ -8,28 +8,47 @@ raised on every rank. Every rank must see all GPUs of its node (torchrun default
 selects its device with `torch.cuda.set_device(local_rank)`), because the owner's SGLang places
 TP rank i on GPU `base_gpu_id + i` (default base: the owner's current device). SGLang forces the
 `spawn` start method in the owner process, so the training script needs a `__main__` guard.
+The other ranks wait on `group` while the owner starts the engine or generates: give that gloo
+group a timeout longer than the longest generation (`megarl.trainer.build.engine_group`).
 
+- start: creates the `sglang.Engine`. SGLang sizes its KV pool at that moment from the free GPU
+  memory (mem_fraction_static), so start it while the training state is off the GPU. The engine
+  is lazy: constructing this class starts nothing; `start()` or the first `resume_memory()` does.
+  The owner removes torchrun's TORCHELASTIC_USE_AGENT_STORE while the engine starts
+  (`engine_launch_env`); every rank should run with NCCL_CUMEM_ENABLE=0 (the launchers export it).
 - generate / continue_samples: the owner sends the requests (its own arguments are used), every
-  rank of the group gets the same samples back.
+  rank of the group gets the same samples back. Each request carries its own `sampling_seed`,
+  derived from `SamplingParams.seed`, the prompt index and the sample index (`sample_seed`):
+  SGLang's seeded sampling under deterministic inference would otherwise give the n samples of
+  a prompt the same tokens. Without deterministic inference SGLang ignores the seeds.
 - update_weights(stream): each rank flattens its bucket on its own GPU (`FlattenedTensorBucket`),
   serializes it to CUDA-IPC handles (`MultiprocessingSerializer`, after
   `monkey_patch_torch_reductions()` so handles carry the GPU UUID), the payloads are gathered to
   the owner over gloo, and the owner calls
   `update_weights_from_tensor(payloads, load_format="flattened_bucket", flush_cache=<last bucket>)`,
-  inside `begin_weight_update()` / `end_weight_update()` on SGLang >= 0.5.21. The last two
-  buckets' tensors are kept alive because SGLang replies before a device sync.
-- release_memory / resume_memory: `release_memory_occupation()` / `resume_memory_occupation()`
-  (needs `enable_memory_saver=True`, which this class sets). After a resume the weights are
-  garbage unless `enable_weights_cpu_backup=True`: stream weights before the next generate.
+  inside `begin_weight_update()` / `end_weight_update()` on SGLang >= 0.5.21. Needs the
+  "weights" region resident; the KV cache may stay released.
+- release_memory(tags) / resume_memory(tags): `release_memory_occupation(tags=...)` /
+  `resume_memory_occupation(tags=...)` on the regions "kv_cache", "weights", "cuda_graph" (None:
+  all), sending only the regions whose state changes (needs `enable_memory_saver=True`, which
+  this class sets). After a resume of "weights" the weights are garbage unless
+  `enable_weights_cpu_backup=True`: stream weights before the next generate. Colocated order:
+  resume_memory(["weights"]) + update_weights with the training state on the GPU, then offload
+  the training state and resume_memory() for generation, then release_memory().
 
 Semantics match the builtin engine (finish reasons, T-PPO window, FIRE as two generate calls,
 `text` decoded from the response ids with skip_special_tokens=True). Differences: stop strings are
-matched by SGLang on each call's own output text; `seed` is passed as SGLang's `sampling_seed`.
+matched by SGLang on each call's own output text; log-probs are SGLang's (temperature applied,
+before top-k / top-p renormalisation: srt/layers/sampler.py); `seed` reaches SGLang only through
+the per-request seeds above. A checkpoint directory without tokenizer files starts SGLang with
+skip_tokenizer_init=True (then SGLang refuses stop strings).
 """
 
 from __future__ import annotations
 
 import collections
+import logging
+import os
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -39,9 +58,13 @@ import torch.distributed as dist
 from megarl.rollout.checkpoint import has_tokenizer, read_config
 from megarl.rollout.sampling import segment_budget
 from megarl.rollout.sglang_utils import (
-    GenerateCall, gather_to_owner, needs_weight_update_session, rebucket, run_on_owner,
-    run_segment, with_last_flag)
+    GenerateCall, ReleasedMemory, engine_launch_env, gather_to_owner, memory_tags,
+    needs_weight_update_session, rebucket, request_seeds, run_on_owner, run_segment,
+    with_last_flag)
 from megarl.rollout.types import Sample, SamplingParams
+
+log = logging.getLogger(__name__)
+
 
 def _import_sglang():
     try:
@@ -53,16 +76,20 @@ def _import_sglang():
 
 
 class SGLangEngine:
-    """RolloutEngine backed by `sglang.Engine`; see the module docstring."""
+    """RolloutEngine backed by `sglang.Engine`; see the module docstring.
+
+    `start=True` starts the engine in the constructor. `sglang_module` stands in for the
+    `sglang` package (anything with `Engine` and `__version__`).
+    """
 
     def __init__(self, model_path: str | Path, *, group: dist.ProcessGroup | None = None,
                  tp_size: int | None = None, dtype: str = "bfloat16",
                  mem_fraction_static: float | None = None, base_gpu_id: int | None = None,
                  random_seed: int | None = None, load_format: str = "auto",
                  enable_weights_cpu_backup: bool = False, bucket_bytes: int = 512 << 20,
-                 **server_kwargs: Any):
-        sglang = _import_sglang()
-        self.sglang_version = sglang.__version__
+                 start: bool = False, sglang_module: Any = None, **server_kwargs: Any):
+        self._sglang = sglang_module if sglang_module is not None else _import_sglang()
+        self.sglang_version = self._sglang.__version__
         self.model_path = str(model_path)
         self.group = group
         group_size = dist.get_world_size(group) if group is not None else 1
@@ -77,24 +104,49 @@ class SGLangEngine:
         self.max_context = int(server_kwargs.get("context_length")
                                or config.get("max_position_embeddings") or 0) or None
         self.vocab_size = int(config["vocab_size"])
-        self.weights_valid = load_format != "dummy"
+        self.load_format = load_format
+        self.weights_valid = False
         self.weight_version = 0
-        self.released = False
+        self.started = False
+        self.memory = ReleasedMemory()
+        tokenizer_files = has_tokenizer(self.model_path)
+        server_kwargs.setdefault("skip_tokenizer_init", not tokenizer_files)
+        self.engine_kwargs = dict(
+            model_path=self.model_path, tp_size=self.tp_size, dtype=dtype,
+            mem_fraction_static=mem_fraction_static, base_gpu_id=base_gpu_id,
+            random_seed=random_seed, load_format=load_format, enable_memory_saver=True,
+            enable_weights_cpu_backup=enable_weights_cpu_backup, **server_kwargs)
         self.tokenizer = None
+        if self.is_owner and tokenizer_files:
+            from transformers import AutoTokenizer
+            self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self._engine = None
+        if start:
+            self.start()
 
-        def start() -> None:  # owner only; every rank waits for it (and sees its error)
-            gpu = torch.cuda.current_device() if base_gpu_id is None else base_gpu_id
-            self._engine = sglang.Engine(
-                model_path=self.model_path, tp_size=self.tp_size, dtype=dtype,
-                mem_fraction_static=mem_fraction_static, base_gpu_id=gpu,
-                random_seed=random_seed, load_format=load_format, enable_memory_saver=True,
-                enable_weights_cpu_backup=enable_weights_cpu_backup, **server_kwargs)
-            if has_tokenizer(self.model_path):
-                from transformers import AutoTokenizer
-                self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+    def start(self) -> None:
+        """Creates the SGLang engine with all its memory resident; a no-op once started.
 
-        run_on_owner(start, group)
+        SGLang sizes the KV pool from the GPU memory free right now (mem_fraction_static;
+        srt/mem_cache/kv_cache_configurator.py `_profile_available_bytes`): call it while the
+        training state is off the GPU.
+        """
+        if self.started:
+            return
+        run_on_owner(self._create, self.group)
+        self.started = True
+        self.memory = ReleasedMemory()
+        self.weights_valid = self.load_format != "dummy"
+
+    def _create(self) -> None:
+        kwargs = dict(self.engine_kwargs)
+        if kwargs["base_gpu_id"] is None:
+            kwargs["base_gpu_id"] = torch.cuda.current_device()
+        if "NCCL_CUMEM_ENABLE" not in os.environ:
+            log.warning("NCCL_CUMEM_ENABLE is not set: SGLang sets it to 0 in its own processes; "
+                        "export NCCL_CUMEM_ENABLE=0 for every rank (launch/*.py do)")
+        with engine_launch_env():
+            self._engine = self._sglang.Engine(**kwargs)
 
     # ------------------------------------------------------------------ generation
 
@@ -112,8 +164,10 @@ class SGLangEngine:
                 raise ValueError(f"prompt {i} has {len(p)} tokens; the engine context is "
                                  f"{self._context()} tokens")
         rows = [(i, p) for i, p in enumerate(prompts) for _ in range(sampling.n)]
+        seeds = request_seeds(sampling.seed, [(i, j) for i in range(len(prompts))
+                                              for j in range(sampling.n)])
         budgets = [segment_budget(len(p), 0, sampling, self._context()) for _, p in rows]
-        segments = self._segments([p for _, p in rows], budgets, sampling, fire=True)
+        segments = self._segments([p for _, p in rows], budgets, sampling, True, seeds)
         return [Sample(prompt_ids=list(p), response_ids=ids, logprobs=lps, finish_reason=reason,
                        text=self._decode(ids), index=i,
                        meta={"weight_versions": [self.weight_version]})
@@ -123,7 +177,7 @@ class SGLangEngine:
         self._check(sampling)
         if sampling.n != 1:
             raise ValueError(f"continue_samples: SamplingParams.n must be 1 (got {sampling.n})")
-        contexts, budgets, todo = [], [], []
+        contexts, budgets, todo, keys = [], [], [], []
         for k, s in enumerate(samples):
             if s.finish_reason != "truncated":
                 raise ValueError(f"continue_samples: sample {k} has finish_reason "
@@ -135,7 +189,9 @@ class SGLangEngine:
                 contexts.append(context)
                 budgets.append(budget)
                 todo.append(k)
-        segments = dict(zip(todo, self._segments(contexts, budgets, sampling, fire=False)))
+                keys.append((s.index, k))
+        seeds = request_seeds(sampling.seed, keys, stream="continue")
+        segments = dict(zip(todo, self._segments(contexts, budgets, sampling, False, seeds)))
         out = []
         for k, s in enumerate(samples):
             ids, lps, reason = segments.get(k, ([], [], "length"))
@@ -147,11 +203,11 @@ class SGLangEngine:
                               text=self._decode(response), index=s.index, meta=meta))
         return out
 
-    def _segments(self, contexts, budgets, sampling, fire):
+    def _segments(self, contexts, budgets, sampling, fire, seeds):
         if not contexts:
             return []
         return run_segment(self._call, contexts, [b for b, _ in budgets],
-                           [w for _, w in budgets], sampling, fire)
+                           [w for _, w in budgets], sampling, fire, seeds)
 
     def _call(self, call: GenerateCall) -> list[dict]:
         outputs = self._engine.generate(input_ids=call.input_ids,
@@ -160,6 +216,9 @@ class SGLangEngine:
 
     def _check(self, sampling: SamplingParams) -> None:
         sampling.validate()
+        if not self.started or self.memory.tags:
+            raise RuntimeError("SGLang engine memory is released (or the engine is not started); "
+                               "call resume_memory() before generating")
         if not self.weights_valid:
             raise RuntimeError("SGLang weights are not valid (load_format='dummy' or memory was "
                                "resumed without a CPU backup); call update_weights() first")
@@ -190,6 +249,7 @@ class SGLangEngine:
         rank instead of leaving the others blocked in the next gather; this also guarantees that
         a rank's bucket tensors outlive the owner's load of them.
         """
+        self._check_weights_resident()
         from sglang.srt.utils import MultiprocessingSerializer
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
@@ -221,30 +281,50 @@ class SGLangEngine:
         self.weights_valid = True
         self.weight_version += 1
 
-    def release_memory(self) -> None:
-        """Frees the engine's GPU memory (weights and KV cache); a no-op when already released."""
-        if self.released:
+    def _check_weights_resident(self) -> None:
+        if not self.started:
+            raise RuntimeError("SGLangEngine.update_weights: the engine is not started; call start() "
+                               "(or resume_memory()) first, with the training state off the GPU")
+        if "weights" in self.memory.tags:
+            raise RuntimeError("SGLangEngine.update_weights: the weights memory is released; call "
+                               "resume_memory(['weights']) first")
+
+    def release_memory(self, tags: Iterable[str] | None = None) -> None:
+        """Frees the engine's GPU memory regions `tags` (None: all); released ones are skipped.
+
+        Nothing to free before the engine is started.
+        """
+        todo = self.memory.to_release(tags) if self.started else []
+        if todo:
+            run_on_owner(lambda: self._engine.release_memory_occupation(tags=todo), self.group)
+            self.memory.released(todo)
+
+    def resume_memory(self, tags: Iterable[str] | None = None) -> None:
+        """Takes the memory regions `tags` (None: all) back; resident ones are skipped.
+
+        Starts the engine on first use (with only `tags` left resident): call it with the
+        training state off the GPU. After "weights" come back the weights are garbage unless
+        enable_weights_cpu_backup: stream them before the next generate.
+        """
+        wanted = memory_tags(tags)
+        if not self.started:
+            self.start()
+            self.release_memory([t for t in self.memory.to_release() if t not in wanted])
             return
-        run_on_owner(lambda: self._engine.release_memory_occupation(), self.group)
-        self.released = True
-
-    def resume_memory(self) -> None:
-        """Takes the memory back; a no-op unless released. Weights are garbage afterwards unless
-        enable_weights_cpu_backup: stream them before the next generate."""
-        if not self.released:
-            return
-
-        def resume():
-            self._engine.resume_memory_occupation()
-
-        run_on_owner(resume, self.group)
-        self.weights_valid = self.cpu_backup
-        self.released = False
+        todo = self.memory.to_resume(wanted)
+        if todo:
+            run_on_owner(lambda: self._engine.resume_memory_occupation(tags=todo), self.group)
+            self.memory.resumed(todo)
+            if "weights" in todo and not self.cpu_backup:
+                self.weights_valid = False
 
     def shutdown(self) -> None:
+        """Stops the engine (owner); `start()` or `resume_memory()` would start a new one."""
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
+        self.started = False
+        self.weights_valid = False
 
     @staticmethod
     def _ok(result: Any, what: str) -> None:

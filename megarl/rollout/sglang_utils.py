@@ -6,9 +6,12 @@ Nothing here imports sglang, so all of it is tested on CPU. Formats follow SGLan
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import os
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Iterator, MutableMapping, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -23,10 +26,12 @@ Bucket = list[tuple[str, torch.Tensor]]
 # ---------------------------------------------------------------------------- requests
 
 
-def sampling_dict(sampler: TokenSampler, sampling: SamplingParams, max_new_tokens: int) -> dict:
+def sampling_dict(sampler: TokenSampler, sampling: SamplingParams, max_new_tokens: int,
+                  seed: int | None = None) -> dict:
     """One SGLang `sampling_params` dict (n is always 1: the engine repeats prompts itself).
 
     top_k <= 0 maps to -1 (whole vocabulary); temperature 0 is greedy in SGLang as well.
+    `seed` is this request's own `sampling_seed` (see `sample_seed`), not `sampling.seed`.
     """
     params = {
         "max_new_tokens": int(max_new_tokens),
@@ -40,9 +45,27 @@ def sampling_dict(sampler: TokenSampler, sampling: SamplingParams, max_new_token
         params["stop"] = list(sampling.stop)
     if sampling.stop_token_ids:
         params["stop_token_ids"] = [int(t) for t in sampling.stop_token_ids]
-    if sampling.seed is not None:
-        params["sampling_seed"] = int(sampling.seed)
+    if seed is not None:
+        params["sampling_seed"] = int(seed)
     return params
+
+
+def sample_seed(seed: int, prompt: int, sample: int, stream: str = "generate") -> int:
+    """The `sampling_seed` of one request: a reproducible hash in [0, 2**63) of its keys.
+
+    Under deterministic inference SGLang draws every token from hash(sampling_seed, position)
+    (srt/layers/sampler.py `multinomial_with_seed`), so requests that share a context and a seed
+    share their tokens: the n samples of a prompt each need their own seed. `stream` separates
+    the seeds of different kinds of call ("generate", "continue") made with one call seed.
+    """
+    key = f"{int(seed)}:{stream}:{int(prompt)}:{int(sample)}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+
+
+def request_seeds(seed: int | None, keys: Sequence[tuple[int, int]], stream: str = "generate") -> list[int]:
+    """`sample_seed` of each (prompt index, sample index); a fresh random call seed when None."""
+    base = int.from_bytes(os.urandom(8), "little") if seed is None else int(seed)
+    return [sample_seed(base, prompt, sample, stream) for prompt, sample in keys]
 
 
 @dataclass(frozen=True)
@@ -54,27 +77,42 @@ class GenerateCall:
 
 
 def first_call(contexts: Sequence[list[int]], budgets: Sequence[int], sampling: SamplingParams,
-               fire: bool) -> GenerateCall:
-    """The first generate call of a segment.
+               fire: bool, seeds: Sequence[int | None] | None = None) -> GenerateCall:
+    """The first generate call of a segment (`seeds`: one `sampling_seed` per context, or None).
 
     FIRE (ALGORITHMS.md §9) splits generation into two calls: this one draws exactly one token
     with the first-token sampler (`token_samplers`: FIRE fields set last), `second_call` draws the
     rest with the regular sampler. Without FIRE this single call draws the whole budget.
     """
+    seeds = _per_request(seeds, len(contexts))
     first, regular = token_samplers(sampling)
     if fire and sampling.fire:
-        dicts = [sampling_dict(first, sampling, 1) for _ in contexts]
+        dicts = [sampling_dict(first, sampling, 1, s) for s in seeds]
     else:
-        dicts = [sampling_dict(regular, sampling, b) for b in budgets]
+        dicts = [sampling_dict(regular, sampling, b, s) for b, s in zip(budgets, seeds)]
     return GenerateCall([list(c) for c in contexts], dicts)
 
 
 def second_call(contexts: Sequence[list[int]], first_tokens: Sequence[int],
-                remaining: Sequence[int], sampling: SamplingParams) -> GenerateCall:
-    """FIRE's second call: context + first token, regular sampler, the remaining budget."""
+                remaining: Sequence[int], sampling: SamplingParams,
+                seeds: Sequence[int | None] | None = None) -> GenerateCall:
+    """FIRE's second call: context + first token, regular sampler, the remaining budget.
+
+    A request keeps its first call's seed: its positions differ from the first call's, and
+    SGLang's seeded draw depends on (seed, position).
+    """
     regular = token_samplers(sampling)[1]
+    seeds = _per_request(seeds, len(contexts))
     return GenerateCall([list(c) + [int(t)] for c, t in zip(contexts, first_tokens)],
-                        [sampling_dict(regular, sampling, r) for r in remaining])
+                        [sampling_dict(regular, sampling, r, s) for r, s in zip(remaining, seeds)])
+
+
+def _per_request(seeds: Sequence[int | None] | None, n: int) -> list[int | None]:
+    if seeds is None:
+        return [None] * n
+    if len(seeds) != n:
+        raise ValueError(f"{len(seeds)} seeds for {n} requests")
+    return list(seeds)
 
 
 # ---------------------------------------------------------------------------- outputs
@@ -185,6 +223,76 @@ def needs_weight_update_session(version: str) -> bool:
     return version_tuple(version) >= (0, 5, 21)
 
 
+# ---------------------------------------------------------------------------- engine lifecycle
+
+# srt/constants.py GPU_MEMORY_ALL_TYPES: the regions release/resume_memory_occupation take as tags
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
+AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
+# what Engine() rewrites in the calling process (srt/entrypoints/engine.py _set_envs_and_config)
+ENGINE_REWRITTEN_ENV = ("CUDA_DEVICE_MAX_CONNECTIONS", "NCCL_CUMEM_ENABLE", "NCCL_NVLS_ENABLE")
+
+
+def memory_tags(tags: Iterable[str] | None) -> list[str]:
+    """Validated tags in `MEMORY_TAGS` order; None means all of them."""
+    if tags is None:
+        return list(MEMORY_TAGS)
+    tags = [tags] if isinstance(tags, str) else list(tags)
+    unknown = sorted(set(tags) - set(MEMORY_TAGS))
+    if unknown:
+        raise ValueError(f"unknown SGLang memory tags {unknown} (choose from {list(MEMORY_TAGS)})")
+    return [t for t in MEMORY_TAGS if t in tags]
+
+
+class ReleasedMemory:
+    """Which SGLang memory regions are released.
+
+    Each release / resume must send only the tags whose state changes: SGLang's resume of a tag
+    that is not released fails (`offload_tags.remove(tag)` in
+    srt/managers/scheduler_components/weight_updater.py), and a second release would pause the
+    torch_memory_saver region twice.
+    """
+
+    def __init__(self) -> None:
+        self.tags: set[str] = set()
+
+    def to_release(self, tags: Iterable[str] | None = None) -> list[str]:
+        return [t for t in memory_tags(tags) if t not in self.tags]
+
+    def to_resume(self, tags: Iterable[str] | None = None) -> list[str]:
+        return [t for t in memory_tags(tags) if t in self.tags]
+
+    def released(self, tags: Iterable[str]) -> None:
+        self.tags.update(tags)
+
+    def resumed(self, tags: Iterable[str]) -> None:
+        self.tags.difference_update(tags)
+
+
+@contextlib.contextmanager
+def engine_launch_env(environ: MutableMapping[str, str] | None = None) -> Iterator[MutableMapping[str, str]]:
+    """The process environment while `sglang.Engine(...)` starts in a torchrun worker.
+
+    - torchrun exports TORCHELASTIC_USE_AGENT_STORE=True to its workers. The scheduler
+      subprocesses Engine() spawns inherit it and then join their own tcp:// rendezvous as
+      TCPStore clients only, with nobody hosting the store (torch/distributed/rendezvous.py
+      `_create_c10d_store`), and wait out the whole timeout. It is removed for the duration.
+    - Engine() rewrites CUDA_DEVICE_MAX_CONNECTIONS, NCCL_CUMEM_ENABLE and NCCL_NVLS_ENABLE in the
+      calling process. The training process gets its own values back afterwards, so the NCCL
+      communicators it creates later match those of the ranks that own no engine.
+    """
+    environ = os.environ if environ is None else environ
+    saved = {key: environ.get(key) for key in (AGENT_STORE_ENV, *ENGINE_REWRITTEN_ENV)}
+    environ.pop(AGENT_STORE_ENV, None)
+    try:
+        yield environ
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                environ.pop(key, None)
+            else:
+                environ[key] = value
+
+
 # ---------------------------------------------------------------------------- distributed
 
 
@@ -237,14 +345,16 @@ Segment = tuple[list[int], list[float], FinishReason]
 
 def run_segment(call: Callable[[GenerateCall], list[dict]], contexts: Sequence[list[int]],
                 budgets: Sequence[int], window_limited: Sequence[bool], sampling: SamplingParams,
-                fire: bool) -> list[Segment]:
+                fire: bool, seeds: Sequence[int | None] | None = None) -> list[Segment]:
     """Generates one segment per context through `call` (SGLang `Engine.generate` in production).
 
     Without FIRE: one call. With FIRE (`fire` and `sampling.fire`): a 1-token call at the FIRE
     sampler, then a call with the regular sampler for the remaining budget on the contexts whose
-    first token did not stop them; results are concatenated per context.
+    first token did not stop them; results are concatenated per context. `seeds`: one
+    `sampling_seed` per context (None: no seed sent).
     """
-    outputs = call(first_call(contexts, budgets, sampling, fire))
+    seeds = _per_request(seeds, len(contexts))
+    outputs = call(first_call(contexts, budgets, sampling, fire, seeds))
     if len(outputs) != len(contexts):
         raise ValueError(f"SGLang returned {len(outputs)} outputs for {len(contexts)} requests")
     if not (fire and sampling.fire):
@@ -265,7 +375,8 @@ def run_segment(call: Callable[[GenerateCall], list[dict]], contexts: Sequence[l
             pending.append(i)
     if pending:
         rest = call(second_call([contexts[i] for i in pending], [firsts[i][0][0] for i in pending],
-                                [budgets[i] - 1 for i in pending], sampling))
+                                [budgets[i] - 1 for i in pending], sampling,
+                                [seeds[i] for i in pending]))
         if len(rest) != len(pending):
             raise ValueError(f"SGLang returned {len(rest)} outputs for {len(pending)} requests")
         for i, output in zip(pending, rest):

@@ -5,20 +5,21 @@ Llama 3 (optional llama3 rope scaling, tied or untied embeddings). Module attrib
 the HF checkpoint names (`model.layers.0.self_attn.q_proj.weight`, ...), so `state_dict()` keys
 are HF names and loading a weight stream is a name lookup.
 
-Numerics follow transformers 4.57 (`models/{qwen2,qwen3,llama}/modeling_*.py`,
+Numerics follow transformers 4.57 and 5.19 (`models/{qwen2,qwen3,llama}/modeling_*.py`,
 `modeling_rope_utils.py`): RMSNorm in fp32 then cast back before the weight multiply, rotary
 cos/sin computed in fp32 and cast to the activation dtype, `rotate_half` RoPE layout.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from megarl.models.rope import SUPPORTED_ROPE_TYPES, rope_params, scaled_inv_freq, scaling_type
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class ModelArgs:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict | None
+    rope_scaling: dict | None  # `megarl.models.rope.rope_params` scaling: None or {"rope_type": ...}
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
@@ -60,6 +61,7 @@ def _common_args(cfg: dict) -> dict:
     if cfg.get("use_sliding_window") or any(t != "full_attention" for t in layer_types):
         raise ValueError("config.json: sliding-window attention is not supported by the builtin engine")
     n_heads = cfg["num_attention_heads"]
+    rope = rope_params(cfg)
     return dict(
         model_type=cfg["model_type"],
         vocab_size=cfg["vocab_size"],
@@ -70,8 +72,8 @@ def _common_args(cfg: dict) -> dict:
         num_kv_heads=_get(cfg, "num_key_value_heads", n_heads),
         head_dim=_get(cfg, "head_dim", cfg["hidden_size"] // n_heads),
         rms_norm_eps=float(_get(cfg, "rms_norm_eps", 1e-6)),
-        rope_theta=float(_get(cfg, "rope_theta", 10000.0)),
-        rope_scaling=cfg.get("rope_scaling"),
+        rope_theta=rope.theta,
+        rope_scaling=rope.scaling,
         max_position_embeddings=int(_get(cfg, "max_position_embeddings", 2048)),
         tie_word_embeddings=bool(_get(cfg, "tie_word_embeddings", False)),
     )
@@ -121,26 +123,11 @@ def rope_inv_freq(args: ModelArgs) -> tuple[torch.Tensor, float]:
              s = (L / wavelen - low_ff) / (high_ff - low_ff), L = original_max_position_embeddings.
     The scale (`attention_factor`) is 1 for all three.
     """
-    dim = args.head_dim
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = args.rope_scaling or {}
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type == "default":
-        return inv_freq, 1.0
-    if rope_type == "linear":
-        return inv_freq / scaling["factor"], 1.0
-    if rope_type == "llama3":
-        factor = scaling["factor"]
-        low_ff, high_ff = scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_len = scaling["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_len / low_ff, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low_ff) / (high_ff - low_ff)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        is_medium = ~(wavelen < old_len / high_ff) * ~(wavelen > old_len / low_ff)
-        return torch.where(is_medium, smoothed, scaled), 1.0
-    raise ValueError(f"config.json: rope_scaling type {rope_type!r} is not supported by the builtin "
-                     "engine (supported: default, linear, llama3)")
+    rope_type = scaling_type(args.rope_scaling)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"config.json: rope type {rope_type!r} is not supported by the builtin "
+                         f"engine (supported: {sorted(SUPPORTED_ROPE_TYPES)})")
+    return scaled_inv_freq(args.rope_theta, args.rope_scaling, args.head_dim), 1.0
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float,

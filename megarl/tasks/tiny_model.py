@@ -2,6 +2,10 @@
 
 Tokenizer: BPE with no merges over the 256 GPT-2 byte symbols, so every byte (every ASCII
 character) is one token and any UTF-8 text round-trips exactly (`decode(encode(s)) == s`).
+Reloaded from a saved directory with `AutoTokenizer` (as megarl and SGLang load it), transformers
+5.x builds a `Qwen2Tokenizer` (forced for model_type "qwen2"), which NFC-normalises the text
+first: the ids are the same on NFC text (all ASCII, so every quickstart text), but a non-NFC
+string (e + U+0301 combining acute) comes back composed (é).
 Ids 0..255 are the bytes, followed by the special tokens ``<|endoftext|>`` (EOS and pad),
 ``<|im_start|>`` and ``<|im_end|>``. A Qwen-style chat template is attached.
 

@@ -214,7 +214,7 @@ def build_data(cfg, tokenizer) -> PromptData:
 
     d = cfg.data
     kw = dict(prompt_key=d.prompt_key, answer_key=d.answer_key, source_key=d.source_key,
-              default_source=d.default_data_source)
+              default_source=d.default_data_source, reference_key=d.reference_key)
     tok = dict(template=d.prompt_template, max_prompt_len=d.max_prompt_len,
                apply_chat_template=d.apply_chat_template)
     if not d.train_path:
@@ -225,7 +225,8 @@ def build_data(cfg, tokenizer) -> PromptData:
         spec = _eval_spec(raw)
         ds = load_prompt_dataset(spec["path"], prompt_key=spec.get("prompt_key", d.prompt_key),
                                  answer_key=spec.get("answer_key", d.answer_key), source_key=d.source_key,
-                                 default_source=spec.get("data_source", d.default_data_source))
+                                 default_source=spec.get("data_source", d.default_data_source),
+                                 reference_key=d.reference_key)
         ds = tokenize_dataset(ds, tokenizer, **{**tok, "template": spec.get("prompt_template", d.prompt_template)})
         evals.append(EvalSet(spec["name"], list(ds.items), {k: spec[k] for k in EVAL_SAMPLING_KEYS if k in spec}))
     sampler = PromptSampler(train.items, batch_prompts=cfg.rollout.prompts_per_step, seed=d.seed, shuffle=d.shuffle)

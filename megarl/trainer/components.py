@@ -41,29 +41,52 @@ class RunComponents:
         return [m for m in (self.actor, self.critic, self.ref) if m is not None]
 
     @contextlib.contextmanager
-    def generation(self, release: bool):
-        """The engine has the GPU: actor/critic/ref state leaves it (rollout.offload_train_state;
-        GPU only) before the engine's memory comes back. With `release` the engine gives its
-        memory (and, for SGLang, its weights) back before the training state returns: training
-        follows, and the next `sync_weights` reloads the weights."""
+    def training_state_off_gpu(self):
+        """actor/critic/ref weights, grads and optimizer state leave the GPU meanwhile
+        (rollout.offload_train_state; a no-op without CUDA)."""
         if self.cfg.rollout.offload_train_state:
             for m in self.train_models:
                 m.offload()
-        self.engine.resume_memory()
         try:
             yield
         finally:
-            if release:
-                self.engine.release_memory()
             for m in self.train_models:
                 m.onload()
 
+    def start_engine(self) -> None:
+        """SGLang sizes its KV pool when it starts: start it on a GPU free of training state,
+        then give everything back until the first weight sync. (The builtin engine has no start.)"""
+        if hasattr(self.engine, "start"):
+            with self.training_state_off_gpu():
+                self.engine.start()
+                self.engine.release_memory()
+
+    def _tags(self, tags: list[str]) -> dict:
+        return {"tags": tags} if self.cfg.rollout.engine == "sglang" else {}
+
+    @contextlib.contextmanager
+    def generation(self, release: bool):
+        """The engine has the GPU while the training state is off it. Afterwards the engine's
+        memory goes before the training state returns: all of it with `release` (training
+        follows; the next `sync_weights` reloads the weights), else only the KV cache (the
+        weights stay for the next generation)."""
+        with self.training_state_off_gpu():
+            self.engine.resume_memory()
+            try:
+                yield
+            finally:
+                if release:
+                    self.engine.release_memory()
+                else:
+                    self.engine.release_memory(**self._tags(["kv_cache", "cuda_graph"]))
+
     def sync_weights(self, version: int) -> None:
-        """Streams the actor's weights into the engine, which then generates for `version`."""
+        """Streams the actor's weights into the engine (only its weight memory resumed), which
+        then generates for policy `version`."""
         from megarl.weights import stream_hf_weights
 
         with self.timer("weight_sync"):
-            self.engine.resume_memory()
+            self.engine.resume_memory(**self._tags(["weights"]))
             self.engine.update_weights(stream_hf_weights(self.actor.modules, self.hf_config,
                                                          self.cfg.rollout.weight_bucket_mb << 20))
         self.worker.policy_version = version

@@ -10,12 +10,11 @@ import math
 import time
 
 from megarl.parallel.distributed import init_distributed
-from megarl.plugins import import_object
 from megarl.trainer import ppo
 from megarl.trainer.batch import StepBatch
 from megarl.trainer.components import build_components
 from megarl.trainer.progress import Progress
-from megarl.trainer.rollout import collect_step_batch
+from megarl.trainer.rollout import collect_function
 from megarl.trainer.state import TrainerState
 
 
@@ -23,13 +22,14 @@ def train(cfg) -> dict:
     init_distributed(cfg.parallel, seed=cfg.trainer.seed)
     run = build_components(cfg)
     al, tr, timer = cfg.algorithm, cfg.trainer, run.timer
-    collect = import_object(cfg.rollout.function, "rollout.function") if cfg.rollout.function else collect_step_batch
+    collect = collect_function(cfg)
     kl = ppo.kl_controller(cfg)
     state = TrainerState(kl_coef=kl.value)
     if tr.resume:
         run.resume(state)
         kl.value = state.kl_coef
 
+    run.start_engine()
     run.sync_weights(state.step)
     first_eval = run.evaluate(state.step) if (tr.val_before_train and state.step == 0) else {}
     last_eval: dict[str, float] = {}
@@ -46,7 +46,7 @@ def train(cfg) -> dict:
         local = batch.select(rows)
 
         # ---- prepare -----------------------------------------------------------------------------
-        pretraining_critic = step < al.value_pretrain_steps
+        pretraining_critic = ppo.value_pretraining(cfg, step)
         with timer("prepare"):
             local.old_logprobs = ppo.compute_log_probs(run.actor, local, cfg.rollout.temperature)
             if run.ref is not None:

@@ -46,6 +46,12 @@ def split_minibatches(batch: StepBatch, mini_batch_size: int, seed: int, dp_rank
     return out
 
 
+def value_pretraining(cfg, step: int) -> bool:
+    """VC-PPO / VAPO value pretraining: the first algorithm.value_pretrain_steps steps train only
+    the critic, on Monte-Carlo targets."""
+    return step < cfg.algorithm.value_pretrain_steps
+
+
 def local_minibatches(minibatches: list[list[int]]) -> tuple[list[int], list[list[int]]]:
     """(rows of this rank in mini-batch order, each mini-batch as row indices of that local batch)."""
     rows, local, off = [], [], 0

@@ -165,6 +165,13 @@ def collect_step_batch(next_items, encode, worker: RolloutWorker, cfg, step: int
     return batch, {**stats, **_generation_metrics(all_generated or batch, batch), **reward_metrics}
 
 
+def collect_function(cfg):
+    """rollout.function (user code by dotted path), or `collect_step_batch`."""
+    from megarl.plugins import import_object
+
+    return import_object(cfg.rollout.function, "rollout.function") if cfg.rollout.function else collect_step_batch
+
+
 def _seed(cfg, step: int, rnd: int) -> int:
     return cfg.trainer.seed * 1_000_003 + step * 101 + rnd
 

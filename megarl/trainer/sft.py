@@ -65,20 +65,28 @@ def nll_loss_fn(counts: dict[str, float]):
     return loss_fn
 
 
+def sft_run_config(cfg, n_rows: int, max_steps: int | None = None):
+    """The config SFT trains the actor with: a copy whose actor optimizer takes sft.lr with
+    sft.lr_warmup_steps (constant afterwards) and whose trainer.total_steps is the SFT step count:
+    `max_steps` (or sft.max_steps), else sft.epochs passes of n_rows // sft.batch_size steps."""
+    cfg = copy.deepcopy(cfg)  # the SFT settings must not leak into the caller's RL config
+    cfg.actor.lr, cfg.actor.lr_warmup_steps, cfg.actor.lr_decay_style = cfg.sft.lr, cfg.sft.lr_warmup_steps, "constant"
+    max_steps = max_steps if max_steps is not None else cfg.sft.max_steps
+    steps_per_epoch = max(1, n_rows // cfg.sft.batch_size)
+    cfg.trainer.total_steps = steps_per_epoch * cfg.sft.epochs if max_steps is None else max_steps
+    return cfg
+
+
 def sft(cfg, max_steps: int | None = None, save_to: str | None = None) -> dict:
     """Runs SFT; saves the actor (model only) as a torch_dist checkpoint at `save_to`
     (default run_dir/sft_actor). Returns {"steps", "final_nll", "checkpoint"}."""
     from megatron.core import parallel_state as ps
 
-    cfg = copy.deepcopy(cfg)  # the SFT optimiser settings below must not leak into the caller's RL config
     init_distributed(cfg.parallel, seed=cfg.trainer.seed)
     hf_config, tokenizer = build.load_hf_config_and_tokenizer(cfg.model.hf_path)
-    cfg.actor.lr, cfg.actor.lr_warmup_steps, cfg.actor.lr_decay_style = cfg.sft.lr, cfg.sft.lr_warmup_steps, "constant"
     rows, skipped = load_sft_rows(cfg.sft.data_path, tokenizer, cfg.sft.max_len)
-    steps_per_epoch = max(1, len(rows) // cfg.sft.batch_size)
-    max_steps = max_steps if max_steps is not None else cfg.sft.max_steps
-    total = steps_per_epoch * cfg.sft.epochs if max_steps is None else max_steps
-    cfg.trainer.total_steps = total
+    cfg = sft_run_config(cfg, len(rows), max_steps)
+    total = cfg.trainer.total_steps
     actor = build.build_actor(cfg, hf_config)
     dp_group, dp_rank, dp_size = ps.get_data_parallel_group(), ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     logger = MetricsLogger(Path(cfg.trainer.run_dir) / "sft", cfg.trainer.tensorboard)

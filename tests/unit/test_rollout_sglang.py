@@ -1,13 +1,21 @@
-"""SGLang engine: the pure logic (request dicts, output parsing, buckets, gathering) on CPU.
+"""SGLang engine: the pure logic (request dicts, seeds, output parsing, buckets, gathering, memory
+regions, start-up environment) on CPU.
 
-SGLang itself cannot run here; `megarl/rollout/sglang_engine.py` is verified only on GPU
-clusters. `run_segment` is exercised with the builtin engine producing SGLang-format outputs.
+SGLang itself cannot run here; its GPU paths (weight streaming) are verified only on GPU clusters.
+`run_segment` and `SGLangEngine`'s start / memory / seeding logic are exercised with a stand-in for
+`sglang.Engine` that generates with the builtin engine and answers in SGLang's output format.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import pickle
+import subprocess
+import sys
+import time
+import types
+from datetime import timedelta
 
 import pytest
 import torch
@@ -16,22 +24,44 @@ import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from megarl.rollout import BuiltinEngine, SamplingParams, make_engine
+from megarl.rollout.sglang_engine import SGLangEngine
 from megarl.rollout.sglang_utils import (
-    GenerateCall, broadcast_from_owner, first_call, gather_to_owner, map_finish_reason,
-    needs_weight_update_session, parse_output, plan_buckets, rebucket, run_on_owner, run_segment,
-    sampling_dict, second_call, version_tuple, with_last_flag)
+    MEMORY_TAGS, GenerateCall, ReleasedMemory, broadcast_from_owner, engine_launch_env, first_call,
+    gather_to_owner, map_finish_reason, memory_tags, needs_weight_update_session, parse_output,
+    plan_buckets, rebucket, request_seeds, run_on_owner, run_segment, sample_seed, sampling_dict,
+    second_call, version_tuple, with_last_flag)
 from megarl.rollout.sampling import TokenSampler
 
 
 def test_sampling_dict():
     sp = SamplingParams(temperature=0.7, top_p=0.9, top_k=-1, stop=["</s>"], stop_token_ids=[5],
                         seed=3)
-    assert sampling_dict(TokenSampler(0.7, -1, 0.9), sp, 12) == {
+    assert sampling_dict(TokenSampler(0.7, -1, 0.9), sp, 12, seed=11) == {
         "max_new_tokens": 12, "temperature": 0.7, "top_p": 0.9, "top_k": -1, "n": 1,
-        "skip_special_tokens": True, "stop": ["</s>"], "stop_token_ids": [5], "sampling_seed": 3}
-    plain = sampling_dict(TokenSampler(0.0, 0, 1.0), SamplingParams(), 4)
+        "skip_special_tokens": True, "stop": ["</s>"], "stop_token_ids": [5], "sampling_seed": 11}
+    plain = sampling_dict(TokenSampler(0.0, 0, 1.0), SamplingParams(seed=3), 4)
     assert plain["top_k"] == -1 and plain["temperature"] == 0.0
     assert "stop" not in plain and "stop_token_ids" not in plain and "sampling_seed" not in plain
+
+
+def test_sample_seeds_distinct_per_sample_and_reproducible():
+    """SGLang's seeded sampler hashes (seed, position): the n samples of a prompt need n seeds."""
+    keys = [(i, j) for i in range(5) for j in range(16)]
+    seeds = request_seeds(1234, keys)
+    assert len(set(seeds)) == len(keys)
+    assert seeds == request_seeds(1234, keys)  # same call seed: same request seeds
+    assert not set(seeds) & set(request_seeds(1235, keys))
+    assert not set(seeds) & set(request_seeds(1234, keys, stream="continue"))
+    assert all(0 <= s < 2 ** 63 for s in seeds)  # SamplingParams.sampling_seed is an int64
+    assert len(set(request_seeds(None, keys))) == len(keys)
+    assert request_seeds(None, keys) != request_seeds(None, keys)  # no call seed: fresh draws
+    assert sample_seed(7, 0, 1) == request_seeds(7, [(0, 1)])[0]
+    call = first_call([[1], [1], [2]], [4, 4, 4], SamplingParams(seed=9), False, seeds=[10, 11, 12])
+    assert [d["sampling_seed"] for d in call.sampling_params] == [10, 11, 12]
+    rest = second_call([[1], [2]], [5, 6], [3, 3], SamplingParams(), seeds=[10, 12])
+    assert [d["sampling_seed"] for d in rest.sampling_params] == [10, 12]
+    with pytest.raises(ValueError, match="2 seeds for 3 requests"):
+        first_call([[1], [1], [2]], [4, 4, 4], SamplingParams(), False, seeds=[1, 2])
 
 
 def test_fire_is_two_calls_with_fire_params_set_last():
@@ -184,3 +214,181 @@ def test_make_engine_registry():
     if importlib.util.find_spec("sglang") is None:
         with pytest.raises(ImportError, match="rollout.engine=sglang needs the `sglang` package"):
             make_engine("sglang", model_path="unused")
+
+
+# ---------------------------------------------------------------------------- engine lifecycle
+
+
+def test_memory_tags_send_only_state_changes():
+    assert memory_tags(None) == list(MEMORY_TAGS) == ["kv_cache", "weights", "cuda_graph"]
+    assert memory_tags(["cuda_graph", "kv_cache"]) == ["kv_cache", "cuda_graph"]
+    assert memory_tags("weights") == ["weights"]
+    with pytest.raises(ValueError, match=r"unknown SGLang memory tags \['kv'\]"):
+        memory_tags(["kv"])
+    memory = ReleasedMemory()
+    assert memory.to_resume() == []
+    memory.released(memory.to_release())
+    assert memory.to_release() == [] and memory.to_resume(["weights"]) == ["weights"]
+    memory.resumed(["weights"])
+    assert memory.to_resume() == ["kv_cache", "cuda_graph"]
+
+
+def test_engine_launch_env_hides_the_agent_store_and_restores_the_trainer_env():
+    environ = {"TORCHELASTIC_USE_AGENT_STORE": "True", "CUDA_DEVICE_MAX_CONNECTIONS": "1", "RANK": "3"}
+    with engine_launch_env(environ) as env:
+        assert "TORCHELASTIC_USE_AGENT_STORE" not in env and env["RANK"] == "3"
+        env.update(CUDA_DEVICE_MAX_CONNECTIONS="8", NCCL_CUMEM_ENABLE="0", SGLANG_RUN_ID="x")
+    assert environ == {"TORCHELASTIC_USE_AGENT_STORE": "True", "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+                       "RANK": "3", "SGLANG_RUN_ID": "x"}
+    with pytest.raises(KeyError):
+        with engine_launch_env(environ):
+            raise KeyError("engine failed to start")
+    assert environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+
+
+class _StandInEngine:
+    """Stands in for `sglang.Engine`, which cannot run here.
+
+    Like the real one it starts a child process at creation (the scheduler; it inherits this
+    process's environment) and refuses to resume a region that is not released or to release one
+    twice (srt/managers/scheduler_components/weight_updater.py). Generation runs the builtin
+    engine on the same checkpoint and answers in SGLang's output format.
+    """
+
+    created: list["_StandInEngine"] = []
+
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+        probe = "import os; print(os.environ.get('TORCHELASTIC_USE_AGENT_STORE'))"
+        self.child_agent_store = subprocess.run([sys.executable, "-c", probe], capture_output=True,
+                                                text=True, check=True).stdout.strip()
+        self.offloaded: set[str] = set()
+        self.memory_calls: list[tuple[str, list[str]]] = []
+        self.requests: list[dict] = []
+        self.backend = BuiltinEngine.from_pretrained(kwargs["model_path"])
+        _StandInEngine.created.append(self)
+
+    def release_memory_occupation(self, tags=None):
+        assert tags and not self.offloaded & set(tags), f"release of released regions {tags}"
+        self.offloaded |= set(tags)
+        self.memory_calls.append(("release", list(tags)))
+
+    def resume_memory_occupation(self, tags=None):
+        assert tags and set(tags) <= self.offloaded, f"resume of resident regions {tags}"
+        self.offloaded -= set(tags)
+        self.memory_calls.append(("resume", list(tags)))
+
+    def generate(self, input_ids, sampling_params, return_logprob):
+        assert return_logprob and not self.offloaded
+        outs = []
+        for ids, d in zip(input_ids, sampling_params):
+            self.requests.append(d)
+            sp = SamplingParams(temperature=d["temperature"], top_k=d["top_k"], top_p=d["top_p"],
+                                max_new_tokens=d["max_new_tokens"], seed=d.get("sampling_seed"))
+            outs.append(_sglang_format(self.backend.generate([ids], sp)[0]))
+        return outs
+
+
+@pytest.fixture()
+def tiny_checkpoint(tmp_path):
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         initializer_range=0.5, eos_token_id=None)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    _StandInEngine.created.clear()
+    return tmp_path
+
+
+def _engine(path, **kwargs) -> SGLangEngine:
+    sglang = types.SimpleNamespace(Engine=_StandInEngine, __version__="0.5.23")
+    return SGLangEngine(path, base_gpu_id=0, sglang_module=sglang, **kwargs)
+
+
+def test_engine_starts_on_demand_without_torchrun_agent_store(tiny_checkpoint, monkeypatch):
+    """The KV pool is sized when the engine starts: nothing starts at construction (build time)."""
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    engine = _engine(tiny_checkpoint, mem_fraction_static=0.7)
+    engine.release_memory()  # nothing to release yet
+    assert _StandInEngine.created == [] and not engine.started
+    with pytest.raises(RuntimeError, match="not started; call start"):
+        engine.update_weights([])
+    engine.start()
+    engine.start()
+    (sgl,) = _StandInEngine.created
+    assert sgl.child_agent_store == "None"  # the scheduler did not inherit torchrun's agent store
+    assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"  # the trainer's env is back
+    assert sgl.kwargs["enable_memory_saver"] and sgl.kwargs["mem_fraction_static"] == 0.7
+    assert sgl.kwargs["base_gpu_id"] == 0 and sgl.kwargs["skip_tokenizer_init"]  # no tokenizer files
+
+
+def test_engine_memory_regions_follow_the_colocated_order(tiny_checkpoint):
+    engine = _engine(tiny_checkpoint)
+    engine.resume_memory(["weights"])  # first use starts it; only the weights stay resident
+    (sgl,) = _StandInEngine.created
+    assert sgl.memory_calls == [("release", ["kv_cache", "cuda_graph"])]
+    sp = SamplingParams(max_new_tokens=4, seed=1)
+    with pytest.raises(RuntimeError, match="call resume_memory"):
+        engine.generate([[1, 2]], sp)
+    engine.resume_memory()  # generation: the rest comes back
+    engine.resume_memory()
+    assert engine.generate([[1, 2]], sp)[0].prompt_ids == [1, 2]  # weights loaded from disk
+    engine.release_memory()
+    engine.release_memory()
+    assert sgl.memory_calls[1:] == [("resume", ["kv_cache", "cuda_graph"]),
+                                    ("release", ["kv_cache", "weights", "cuda_graph"])]
+    with pytest.raises(RuntimeError, match=r"resume_memory\(\['weights'\]\) first"):
+        engine.update_weights([])
+    engine.resume_memory(["weights"])
+    engine.resume_memory(["kv_cache", "cuda_graph"])
+    assert sgl.memory_calls[3:] == [("resume", ["weights"]), ("resume", ["kv_cache", "cuda_graph"])]
+    with pytest.raises(RuntimeError, match="call update_weights"):  # resumed weights are garbage
+        engine.generate([[1, 2]], sp)
+
+
+def test_engine_gives_each_sample_its_own_seed(tiny_checkpoint):
+    engine = _engine(tiny_checkpoint, start=True)
+    prompts, n = [[1, 2, 3], [4, 5]], 3
+    sp = SamplingParams(n=n, temperature=1.0, max_new_tokens=4, seed=5)
+    samples = engine.generate(prompts, sp)
+    (sgl,) = _StandInEngine.created
+    seeds = [d["sampling_seed"] for d in sgl.requests]
+    assert len(seeds) == len(set(seeds)) == len(prompts) * n
+    assert [s.index for s in samples] == [0] * n + [1] * n
+    for i in range(len(prompts)):
+        assert len({tuple(s.response_ids) for s in samples[i * n:(i + 1) * n]}) > 1
+    again = engine.generate(prompts, sp)
+    assert [d["sampling_seed"] for d in sgl.requests[len(seeds):]] == seeds
+    assert [s.response_ids for s in again] == [s.response_ids for s in samples]
+    engine.generate(prompts, SamplingParams(n=n, max_new_tokens=1, seed=6))
+    assert not set(seeds) & {d["sampling_seed"] for d in sgl.requests[2 * len(seeds):]}
+
+
+def _group_timeout_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    from megarl.trainer.build import engine_group
+
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    patient, hasty = engine_group(world), engine_group(world, timeout=timedelta(milliseconds=500))
+    timeouts = [g._get_backend(torch.device("cpu")).options._timeout for g in (patient, hasty)]
+    slow_owner = lambda: time.sleep(2) or "generated"  # noqa: E731
+    outcomes = [run_on_owner(slow_owner, patient)]
+    try:
+        outcomes.append(run_on_owner(slow_owner, hasty))
+    except RuntimeError as err:
+        outcomes.append(f"error: {err}")
+    with open(f"{out_dir}/rank{rank}.pkl", "wb") as f:
+        pickle.dump((timeouts, outcomes), f)
+
+
+def test_engine_group_timeout_outlasts_the_owners_generation(tmp_path):
+    import megarl.trainer.build  # noqa: F401 - imported once, before forking
+
+    world = 2
+    mp.start_processes(_group_timeout_worker, args=(world, str(tmp_path / "init"), str(tmp_path)),
+                       nprocs=world, start_method="fork")
+    results = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(world)]
+    for timeouts, outcomes in results:
+        assert timeouts[0] >= timedelta(hours=1) and timeouts[1] == timedelta(milliseconds=500)
+        assert outcomes[0] == "generated"
+    assert "timed out" in results[1][1][1].lower(), results[1][1][1]  # waited past the timeout

@@ -117,6 +117,30 @@ def test_saved_model_loads_offline(tmp_path):
     assert out.shape == (1, len(s), 320) and torch.isfinite(out).all()
 
 
+def test_reloaded_tokenizer_gives_the_byte_tokenizer_ids(tmp_path):
+    """megarl loads the saved directory with AutoTokenizer (a Qwen2Tokenizer under transformers
+    5.x); on NFC text it must give the in-memory byte tokenizer's ids, special tokens included."""
+    from transformers import AutoTokenizer
+
+    built = build_byte_tokenizer()
+    save_tiny_model(tmp_path / "m", TinyModelSpec(layers=1, hidden=32, heads=2, kv_heads=1,
+                                                  intermediate=64), tokenizer=built)
+    loaded = AutoTokenizer.from_pretrained(tmp_path / "m")
+    rng = random.Random(5)
+    texts = [p + c for p, _, c in (make_problem(rng, 3) for _ in range(20))]
+    texts += [apply_template("arith", "347+85") + cot_response(347, 85),
+              "  it's 'll  \r\n\t tabs, unicode: é ∑ 𝔸 <|im_start|>x<|im_end|><|endoftext|>"]
+    for s in texts:
+        ids = built(s)["input_ids"]
+        assert loaded(s)["input_ids"] == ids
+        assert loaded.decode(ids) == s
+    chat = [{"role": "user", "content": texts[0]}]
+    assert loaded.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == \
+        built.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert loaded.all_special_ids == built.all_special_ids == [256, 257, 258]
+    assert (loaded.eos_token_id, loaded.pad_token_id) == (256, 256)
+
+
 def test_cli_writes_model_and_task(tmp_path):
     cmd = [sys.executable, str(REPO / "tools/make_tiny_model.py"), "--out", str(tmp_path / "m"), "--layers", "1",
            "--hidden", "32", "--heads", "2", "--kv-heads", "1", "--intermediate", "64", "--tie-word-embeddings",
