@@ -17,7 +17,8 @@ def causal_mask(seq_len: int, device=None) -> torch.Tensor:
 
 @torch.no_grad()
 def megatron_forward_logits(model_chunks, input_ids: torch.Tensor) -> torch.Tensor:
-    """Logits [b, s, V] (HF vocab, TP-gathered, padding stripped) on every rank, float32.
+    """Logits [b, s, V] (HF vocab, TP-gathered, padding stripped) on every rank, float32, on the
+    host; `input_ids` may live anywhere (they are moved to the training device).
 
     For a critic (`build_model(value_head=True)`) the result is the values [b, s, 1].
 
@@ -37,6 +38,9 @@ def megatron_forward_logits(model_chunks, input_ids: torch.Tensor) -> torch.Tens
 
     vocab = unwrap(chunks[-1]).hf_vocab_size
     is_value_model = isinstance(unwrap(chunks[-1]), ValueModel)
+    from megarl.parallel.distributed import device
+
+    input_ids = input_ids.to(device())
     b, s = input_ids.shape
     mask = causal_mask(s, input_ids.device)
     pos = torch.arange(s, device=input_ids.device)[None].expand(b, s)
@@ -64,4 +68,4 @@ def megatron_forward_logits(model_chunks, input_ids: torch.Tensor) -> torch.Tens
         if out is None:
             out = torch.empty(b, s, width, dtype=torch.float32, device=input_ids.device)
         dist.broadcast(out, src=src, group=group)
-    return out
+    return out.cpu()

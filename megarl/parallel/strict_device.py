@@ -138,6 +138,10 @@ _MIXED_OK = frozenset({"copy_", "_to_copy", "_copy_from", "_copy_from_and_resize
                        "set_", "_local_scalar_dense", "index", "index_put", "index_put_", "_index_put_impl_"})
 
 
+# a copy into a host tensor leaves it a host tensor
+_KEEPS_DESTINATION = frozenset({"copy_", "_copy_from", "_copy_from_and_resize", "set_"})
+
+
 class _StrictDispatch(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -151,7 +155,7 @@ class _StrictDispatch(TorchDispatchMode):
                     f"{func}: expected all tensors on the same device, got cuda and cpu tensors "
                     f"(host shapes {[tuple(t.shape) for t in host]}); move them with .to(device())")
         out = func(*args, **kwargs)
-        if marked:
+        if marked and name not in _KEEPS_DESTINATION:
             _mark(out)
         return out
 

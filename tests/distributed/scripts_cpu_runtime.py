@@ -12,7 +12,7 @@ import json
 import torch
 import torch.distributed as dist
 
-from megarl.parallel.distributed import ParallelSizes, init_distributed
+from megarl.parallel.distributed import ParallelSizes, device, init_distributed
 
 VOCAB, SEQ, GLOBAL_BATCH, MICRO = 96, 12, 8, 1
 
@@ -54,16 +54,16 @@ def train(ddp, opt, steps=2):
 
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     gen = torch.Generator().manual_seed(0)
-    mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)[None, None]
+    mask = torch.ones(SEQ, SEQ, dtype=torch.bool, device=device()).triu(1)[None, None]
     losses, norms = [], []
     for _ in range(steps):
         batch = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=gen)
         local = batch.chunk(dp)[dp_rank]
-        micro = list(local.split(MICRO))
+        micro = list(local.to(device()).split(MICRO))
 
         def fwd(it, model):
             ids = next(it)
-            pos = torch.arange(SEQ)[None].expand_as(ids)
+            pos = torch.arange(SEQ, device=ids.device)[None].expand_as(ids)
             out = model(ids, pos, mask, labels=ids)
             return out, lambda o: (o.mean(), {"loss": o.mean().detach().clone()})
 
@@ -74,7 +74,7 @@ def train(ddp, opt, steps=2):
             num_microbatches=len(micro), seq_length=SEQ, micro_batch_size=MICRO,
         )
         _, grad_norm, _ = opt.step()
-        loss = torch.tensor(sum(float(x["loss"]) for x in logs) / max(len(logs), 1))
+        loss = torch.tensor(sum(float(x["loss"]) for x in logs) / max(len(logs), 1), device=device())
         if ps.is_pipeline_last_stage():
             dist.all_reduce(loss, group=ps.get_data_parallel_group())
             loss /= dp

@@ -23,7 +23,7 @@ import transformers
 from safetensors.torch import load_file
 
 from megarl.models import build_model, megatron_forward_logits
-from megarl.parallel.distributed import ParallelSizes, init_distributed
+from megarl.parallel.distributed import ParallelSizes, device, init_distributed
 from megarl.weights import (
     load_checkpoint_hf_config, load_hf_weights, load_megatron_checkpoint, read_checkpoint_meta,
     save_megatron_checkpoint, stream_hf_weights)
@@ -39,10 +39,10 @@ def roundtrip(model, cfg, original: dict) -> dict:
     for bucket in stream_hf_weights(model, cfg, bucket_bytes=16 << 10):
         buckets += 1
         for name, t in bucket:
-            got[name] = t.clone()
+            got[name] = t.cpu()
     same_keys = set(got) == set(original)
     exact = same_keys and all(torch.equal(got[k], original[k]) for k in original)
-    ok = torch.tensor([int(exact)])
+    ok = torch.tensor([int(exact)], device=device())
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank received the full stream
     return {"exact_all_ranks": bool(ok.item()), "keys": len(got), "buckets": buckets}
 
@@ -52,9 +52,10 @@ def megatron_loss(model, ids: torch.Tensor) -> torch.Tensor:
     from megarl.models.forward import causal_mask
 
     s = ids.shape[1] - 1
-    pos = torch.arange(s)[None].expand(ids.shape[0], s)
+    ids = ids.to(device())
+    pos = torch.arange(s, device=ids.device)[None].expand(ids.shape[0], s)
     with torch.no_grad():
-        return model[0](ids[:, :-1], pos, causal_mask(s), labels=ids[:, 1:])
+        return model[0](ids[:, :-1], pos, causal_mask(s, ids.device), labels=ids[:, 1:]).cpu()
 
 
 def critic_check(work: Path, ids: torch.Tensor, layout: str, rank: int) -> dict:
@@ -62,7 +63,7 @@ def critic_check(work: Path, ids: torch.Tensor, layout: str, rank: int) -> dict:
     critic = build_model(cfg, value_head=True, seed=5)
     load_hf_weights(critic, work / "qwen2")  # lm_head.weight ignored, score.weight absent
     values = megatron_forward_logits(critic, ids)
-    tensors = {n: t.clone() for b in stream_hf_weights(critic, cfg) for n, t in b}
+    tensors = {n: t.cpu() for b in stream_hf_weights(critic, cfg) for n, t in b}
     base = transformers.AutoModel.from_pretrained(work / "qwen2", dtype=torch.float32)
     with torch.no_grad():
         ref = base(ids).last_hidden_state @ tensors["score.weight"].T
@@ -102,8 +103,8 @@ def optimizer_step(hf_dir: Path, cfg, batch: torch.Tensor) -> dict:
     # default eps) turns fp32 reduction-order noise in g into O(lr) differences.
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, adam_eps=1e-4, clip_grad=1.0,
                                                  use_distributed_optimizer=True), [ddp])
-    local = batch.chunk(ps.get_data_parallel_world_size())[ps.get_data_parallel_rank()]
-    mask, pos = causal_mask(SEQ), torch.arange(SEQ)[None].expand(local.shape[0], SEQ)
+    local = batch.chunk(ps.get_data_parallel_world_size())[ps.get_data_parallel_rank()].to(device())
+    mask, pos = causal_mask(SEQ, device()), torch.arange(SEQ, device=device())[None].expand(local.shape[0], SEQ)
 
     def step(it, model):
         ids = next(it)
@@ -116,7 +117,7 @@ def optimizer_step(hf_dir: Path, cfg, batch: torch.Tensor) -> dict:
     get_forward_backward_func()(forward_step_func=step, data_iterator=iter([local]), model=[ddp],
                                 num_microbatches=1, seq_length=SEQ - 1, micro_batch_size=local.shape[0])
     ok, grad_norm, _ = opt.step()
-    tensors = {n: t.clone() for b in stream_hf_weights([ddp], cfg) for n, t in b}
+    tensors = {n: t.cpu() for b in stream_hf_weights([ddp], cfg) for n, t in b}
     return {"tensors": tensors, "grad_norm": float(grad_norm), "ok": bool(ok)}
 
 

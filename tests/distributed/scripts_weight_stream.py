@@ -18,7 +18,7 @@ import torch.distributed as dist
 import transformers
 
 from megarl.models import build_model, megatron_forward_logits
-from megarl.parallel.distributed import ParallelSizes, init_distributed
+from megarl.parallel.distributed import ParallelSizes, device, init_distributed
 from megarl.rollout.builtin import BuiltinEngine
 from megarl.rollout.types import SamplingParams
 from megarl.weights import load_hf_weights, stream_hf_weights
@@ -33,13 +33,13 @@ def perturb(model) -> None:
     parameters stay identical across TP ranks."""
     for name, p in model.named_parameters():
         gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-        p.mul_(1 + 0.2 * torch.randn(p.shape, generator=gen))
+        p.mul_(1 + 0.2 * torch.randn(p.shape, generator=gen).to(p.device))
 
 
 def tee(stream, sink: dict):
     for bucket in stream:
         for name, t in bucket:
-            sink[name] = t.clone()
+            sink[name] = t.cpu()
         yield bucket
 
 
@@ -95,11 +95,11 @@ def run_family(family: str, hf_dir: Path) -> dict:
     hf_out = hf_greedy(cfg, streamed, list(engine.eos_token_ids), 8)
 
     tp0 = ps.get_tensor_model_parallel_rank() == 0
-    got = {n: t.clone() for b in stream_hf_weights(model, cfg, bucket_bytes=32 << 10, receive=tp0)
+    got = {n: t.cpu() for b in stream_hf_weights(model, cfg, bucket_bytes=32 << 10, receive=tp0)
            for n, t in b}
     partial_ok = (set(got) == set(streamed) and all(torch.equal(got[k], streamed[k]) for k in got)
                   if tp0 else not got)
-    flag = torch.tensor([int(partial_ok)])
+    flag = torch.tensor([int(partial_ok)], device=device())
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return {
         "logprob_max_abs_diff": logprob_diff, "n_sampled_tokens": n_tokens,

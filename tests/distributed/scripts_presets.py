@@ -1,0 +1,101 @@
+"""Worker for tests/distributed/test_presets.py: every shipped preset and recipe, scaled down to
+the tiny model on 2 gloo ranks (DP=2), runs a few RL steps; plus runs with a custom reward and a
+custom advantage estimator named by dotted path. Writes each run's metrics rows."""
+
+import argparse
+import glob
+import json
+import os
+import zlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megarl.config import load_config
+from megarl.parallel.distributed import device
+from megarl.rewards import RewardOutput
+from megarl.trainer.loop import train
+
+REPO = Path(__file__).resolve().parents[2]
+CALLS = {"reward": 0, "advantage": 0}
+
+
+def coin_reward(x, correct_score: float = 1.0) -> RewardOutput:
+    """A custom reward (dotted-path plugin): correct for about half the responses, by a hash of
+    the text, so that every group has mixed outcomes on an untrained model."""
+    CALLS["reward"] += 1
+    ok = zlib.crc32(x.response.encode()) % 2 == 0
+    return RewardOutput(correct_score if ok else -1.0, ok)
+
+
+def sign_advantage(inputs, params):
+    """A custom advantage estimator (dotted-path plugin): sign of the sequence reward on every token."""
+    CALLS["advantage"] += 1
+    adv = torch.sign(inputs.token_rewards.sum(-1, keepdim=True)) * inputs.mask
+    return adv, adv
+
+
+def scaled_down(root: Path) -> list[str]:
+    """Cluster sizes -> the tiny model and task on 2 CPU ranks."""
+    return [
+        f"model.hf_path={root / 'model'}", "model.load=null", "model.dtype=fp32", "model.transformer_impl=local",
+        "model.sequence_parallel=false", "model.recompute=null", "parallel.tp=1", "parallel.pp=1", "parallel.cp=1",
+        "parallel.rollout_tp=1", "parallel.nodes=1", "parallel.gpus_per_node=2", "rollout.engine=builtin",
+        f"data.train_path={root / 'task' / 'train.jsonl'}", f"data.eval=[{root / 'task' / 'eval.jsonl'}]",
+        "data.prompt_template=arith", "data.max_prompt_len=32", "rollout.n_samples_per_prompt=4",
+        "rollout.prompts_per_step=4", "rollout.gen_batch_prompts=8", "rollout.max_new_tokens=12",
+        "algorithm.mini_batch_size=8", "algorithm.overlong_max_len=null", "algorithm.overlong_cache_len=4",
+        "actor.max_tokens_per_microbatch=64", "critic.max_tokens_per_microbatch=64", "actor.lr=1e-3", "critic.lr=1e-3",
+        "actor.lr_warmup_steps=0", "critic.lr_warmup_steps=0", "actor.offload_optimizer=false",
+        "critic.offload_optimizer=false", "trainer.save_interval=0", "trainer.eval_interval=0", "trainer.resume=false",
+        "trainer.tensorboard=false", "eval.n_samples=1", "eval.temperature=0", "eval.max_new_tokens=12",
+        "reward.sources={arith: tests.distributed.scripts_presets:coin_reward}",
+    ]
+
+
+def presets() -> dict[str, list[str]]:
+    """name -> [config path, extra overrides]."""
+    out = {}
+    for path in sorted(glob.glob(str(REPO / "configs" / "algorithms" / "*.yaml")) +
+                       glob.glob(str(REPO / "configs" / "recipes" / "*" / "*.yaml"))):
+        out[os.path.relpath(path, REPO / "configs")] = [path]
+    return out
+
+
+def run(name: str, config: str, overrides: list[str], root: Path) -> list[dict]:
+    run_dir = root / "runs" / name.replace("/", "_")
+    cfg = load_config(config, overrides + [f"trainer.run_dir={run_dir}"])
+    steps = 2 + min(cfg.algorithm.value_pretrain_steps, 1)
+    cfg = load_config(config, overrides + [f"trainer.run_dir={run_dir}", f"trainer.total_steps={steps}",
+                                           f"algorithm.value_pretrain_steps={min(cfg.algorithm.value_pretrain_steps, 1)}"])
+    train(cfg)
+    dist.barrier()
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()] if dist.get_rank() == 0 else []
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--root", required=True)
+    a = p.parse_args()
+    root = Path(a.root)
+    base = scaled_down(root)
+    res = {}
+    for name, (config,) in presets().items():
+        res[name] = {"rows": run(name, config, base, root), "algorithm": load_config(config).algorithm.name}
+    res["custom_advantage"] = {"rows": run("custom_advantage", str(REPO / "configs/algorithms/grpo.yaml"),
+                                           base + ["algorithm.advantage=tests.distributed.scripts_presets:sign_advantage",
+                                                   "algorithm.kl_coef=0.0"], root), "algorithm": "custom"}
+    from tests.distributed import scripts_presets as plugins  # the module the dotted paths imported
+
+    calls = torch.tensor([plugins.CALLS["reward"], plugins.CALLS["advantage"]], dtype=torch.float64, device=device())
+    dist.all_reduce(calls)
+    res["calls"] = {"reward": calls[0].item(), "advantage": calls[1].item()}
+    if dist.get_rank() == 0:
+        Path(a.out).write_text(json.dumps(res))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
