@@ -29,10 +29,10 @@ Checks, in order (names for --only / --skip):
                 Skipped when sglang is not importable or there is no CUDA.
   fp8           TrainModel with model_options fp8="hybrid" (delayed recipe), TE THD path, bf16
                 params: forward_only vs HF and a train_step, as train_te. Needs TE, CUDA, sm >= 89.
-  cp2           context parallelism 2 (TE, bf16): (a) GPTModel on this rank's two chunks of a
-                sequence (megatron.core.utils.get_batch_on_this_cp_rank) gives the CP=1 logits,
-                backward finite; (b) TrainModel.forward_only at CP=2 gives the CP=1 log-probs.
-                Needs TE, CUDA and an even world size.
+  cp2           context parallelism 2 (TE, bf16): GPTModel on this rank's two chunks of a sequence
+                (megatron.core.utils.get_batch_on_this_cp_rank) gives the CP=1 logits, backward
+                finite. (The trainer does not split batches over CP ranks yet; parallel.cp > 1 is
+                refused at config load.) Needs TE, CUDA and an even world size.
 
 Tolerances (--tol-*) are for this tiny random model, whose logits have std ~1.7: bf16 alone
 moves its log-probs by ~0.03 on average; a real bug (wrong weights, RoPE, masking) by ~1 or more.
@@ -703,7 +703,8 @@ def check_cp2(ctx: Ctx) -> str:
     (a) megatron + TE alone: GPTModel at CP=2 on this rank's two chunks of a 128-token sequence
         (`megatron.core.utils.get_batch_on_this_cp_rank`) gives the CP=1 logits of those chunks,
         and backward is finite;
-    (b) the trainer: TrainModel.forward_only at CP=2 (THD packed) gives the CP=1 log-probs.
+    The trainer itself does not split batches over CP ranks yet (`parallel.cp > 1` fails at config
+    load), so only megatron + TE's own CP is checked here.
     """
     ctx.need_dist()
     ctx.need_te()
@@ -718,14 +719,12 @@ def check_cp2(ctx: Ctx) -> str:
     tol = ctx.args.tol_cp
     ids = probe_ids(batch=1, seq=128).to(_device())
     pos = torch.arange(ids.shape[1], device=ids.device)[None]
-    batch = make_batch(trajectories())
     V = hf_config(ctx).vocab_size
     try:
         ref_model = unwrap(megatron_model(ctx, "transformer_engine", "bf16")[0]).eval()
         with torch.no_grad():
             ref = ref_model(ids, pos, None).float()  # [1, s, V_padded]
         del ref_model
-        ref_logp = forward_logprobs(train_model(ctx, "transformer_engine", "bf16"), batch)
         _free_memory()
         init_distributed(ParallelSizes(cp=2), seed=1234, timeout_minutes=ctx.args.timeout_minutes)
         model = unwrap(megatron_model(ctx, "transformer_engine", "bf16")[0])
@@ -743,19 +742,11 @@ def check_cp2(ctx: Ctx) -> str:
         finite = bool(torch.isfinite(loss)) and bool(grads) and all(bool(torch.isfinite(g).all()) for g in grads)
         del model
         _free_memory()
-        trainer_error, tr_mean = "", float("nan")
-        try:
-            cp_logp = forward_logprobs(train_model(ctx, "transformer_engine", "bf16"), batch)
-            tr_mean = float(((cp_logp - ref_logp).abs() * batch.response_mask).sum() / batch.response_mask.sum())
-        except Exception as err:  # noqa: BLE001 - reported in the detail
-            trainer_error = _error(err)
     finally:
         init_distributed(ParallelSizes(), seed=1234, timeout_minutes=ctx.args.timeout_minutes)
-    trainer = trainer_error or f"mean|d| {_fmt(tr_mean)}"
-    detail = (f"(a) GPTModel TE bf16, 128 tokens in 4 chunks: |CP=2 - CP=1 logits| mean {_fmt(raw_mean)} "
-              f"max {_fmt(raw_max)}, backward finite {finite}; (b) TrainModel.forward_only THD CP=2 vs "
-              f"CP=1 log-probs: {trainer} (tol mean {tol})")
-    if not (raw_mean < tol and finite and not trainer_error and tr_mean < tol):
+    detail = (f"GPTModel TE bf16, 128 tokens in 4 chunks: |CP=2 - CP=1 logits| mean {_fmt(raw_mean)} "
+              f"max {_fmt(raw_max)}, backward finite {finite} (tol mean {tol}); the trainer's CP is not built yet")
+    if not (raw_mean < tol and finite):
         raise CheckFailed(detail)
     return detail
 

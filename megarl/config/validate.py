@@ -54,6 +54,9 @@ def validate_config(cfg: MegaRLConfig, where: Callable[[str], str] | None = None
     e.check(p.vpp is None or (p.vpp >= 1 and p.pp > 1), "parallel.vpp", f"needs parallel.pp > 1 and vpp >= 1 (pp={p.pp}, vpp={p.vpp})")
     e.check(p.etp is None or p.etp >= 1, "parallel.etp", f"must be >= 1 or null, got {p.etp}")
     e.check(not m.sequence_parallel or p.tp > 1, "model.sequence_parallel", "needs parallel.tp > 1")
+    e.check(not m.sequence_parallel or m.transformer_impl != "local", "model.sequence_parallel",
+            "needs Transformer Engine layers (model.transformer_impl transformer_engine or auto): megatron's "
+            "local spec falls back to torch LayerNorm without apex, which does not support sequence parallelism")
     e.check(m.fp8 is None or m.transformer_impl != "local", "model.fp8", "FP8 needs model.transformer_impl transformer_engine or auto")
     e.check(m.fp8 is None or m.dtype == "bf16", "model.fp8", f"FP8 training runs on bf16 parameters (model.dtype={m.dtype})")
     e.check(p.cp == 1, "parallel.cp", f"context parallelism is not implemented in the trainer yet (nothing splits "

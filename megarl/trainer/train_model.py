@@ -84,23 +84,12 @@ class TrainModel:
         self.is_last_stage = ps.is_pipeline_last_stage()
 
     def _make_optimizer(self, optim, dtype):
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer import get_megatron_optimizer
 
         if optim.offload_optimizer and not torch.cuda.is_available():
             raise ValueError("offload_optimizer=true keeps optimizer state on the CPU instead of the GPU, "
                              "but there is no GPU here: set it to false")
-        cfg = OptimizerConfig(
-            optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
-            adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
-            clip_grad=optim.clip_grad, use_distributed_optimizer=optim.use_distributed_optimizer,
-            bf16=dtype == "bf16", fp16=dtype == "fp16", params_dtype=_torch_dtype(dtype),
-            # megatron's HybridDeviceOptimizer: Adam state and step on the CPU (GPU only); megatron
-            # supports it only as a precision-aware distributed optimizer
-            optimizer_cpu_offload=optim.offload_optimizer,
-            use_precision_aware_optimizer=optim.offload_optimizer,
-            optimizer_offload_fraction=1.0 if optim.offload_optimizer else 0.0,
-        )
-        return get_megatron_optimizer(cfg, self.chunks)
+        return get_megatron_optimizer(optimizer_config(optim, dtype), self.chunks)
 
     # ---- modules ---------------------------------------------------------------------------
     @property
@@ -279,6 +268,23 @@ class TrainModel:
             sd = self.optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=OPTIM_CKPT_METADATA)
             state = dist_checkpointing.load(sd, str(opt_dir))
             self.optimizer.load_state_dict(state)
+
+
+def optimizer_config(optim, dtype: str):
+    """megatron's OptimizerConfig for an OptimConfig (actor / critic section) and model dtype."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(
+        optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
+        adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
+        clip_grad=optim.clip_grad, use_distributed_optimizer=optim.use_distributed_optimizer,
+        bf16=dtype == "bf16", fp16=dtype == "fp16", params_dtype=_torch_dtype(dtype),
+        # megatron's HybridDeviceOptimizer: Adam state and step on the CPU (GPU only); megatron
+        # supports it only as a precision-aware distributed optimizer
+        optimizer_cpu_offload=optim.offload_optimizer,
+        use_precision_aware_optimizer=optim.offload_optimizer,
+        optimizer_offload_fraction=1.0 if optim.offload_optimizer else 0.0,
+    )
 
 
 def _is_ddp(chunk) -> bool:

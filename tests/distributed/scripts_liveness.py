@@ -466,7 +466,7 @@ WITNESSES = {
     "model.recompute": W("selective", obs_model_options),
     "model.recompute_method": W("block", obs_model_options, "model.recompute=full"),
     "model.recompute_num_layers": W("2", obs_model_options, "model.recompute=full"),
-    "model.sequence_parallel": W("true", obs_model_options, "parallel.tp=2"),
+    "model.sequence_parallel": W("true", obs_model_options, "parallel.tp=2", "model.transformer_impl=transformer_engine"),
     "parallel.tp": W("2", obs_parallel),
     "parallel.pp": W("2", obs_parallel),
     "parallel.cp": W("2", obs_parallel),

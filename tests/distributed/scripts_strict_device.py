@@ -74,6 +74,10 @@ def main(model_dir: str, out: str) -> None:
     res["streamed_tensors"] = len(streamed)
     res["streamed_on_device"] = all(strict_device.on_device(t) for t in streamed)
     res["logprobs_on_host"] = not strict_device.on_device(batch.old_logprobs)
+    # fp16: the schedules must scale the loss by the optimizer's dynamic loss scale before backward
+    fp16 = TrainModel(hf_config, cfg.actor, dtype="fp16")
+    res["fp16_scales_loss"] = fp16.config.grad_scale_func == fp16.optimizer.scale_loss
+    res["fp16_loss_scale"] = float(fp16.optimizer.get_loss_scale())
     json.dump(res, open(out, "w"))
 
 

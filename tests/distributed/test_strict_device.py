@@ -52,3 +52,7 @@ def test_train_step_and_weight_stream_run_on_the_device(result):
     assert result["train_step_grad_norm"] > 0
     assert result["streamed_tensors"] > 0 and result["streamed_on_device"]
     assert result["logprobs_on_host"]  # forward_only hands the step batch host tensors
+
+
+def test_fp16_losses_are_scaled_by_the_optimizers_loss_scale(result):
+    assert result["fp16_scales_loss"] and result["fp16_loss_scale"] > 1.0

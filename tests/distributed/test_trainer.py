@@ -1,4 +1,5 @@
-"""The RL trainer on megatron-core with 2 gloo ranks: layout equivalence, resume, NaN safety."""
+"""The RL trainer on megatron-core with 2 gloo ranks (strict device mode): layout equivalence,
+resume, NaN safety."""
 
 import math
 

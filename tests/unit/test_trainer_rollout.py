@@ -67,3 +67,22 @@ def test_too_few_mixed_groups_raise_after_max_rounds():
     with pytest.raises(RuntimeError, match="3 generation rounds"):
         collect_step_batch(next_items, lambda items: [[0]] * len(items), worker, cfg, 0, [])
     assert worker.calls == 3
+
+
+class CountingWorker(ScriptedWorker):
+    """Reports reward counts per generate call, as the real worker does."""
+
+    def generate(self, items, encoded, sampling):
+        out = super().generate(items, encoded, sampling)
+        self.metrics = {"reward/count": float(len(out)), "reward/correct": float(sum(t.acc for t in out))}
+        return out
+
+
+def test_reward_metrics_cover_every_generation_round():
+    correct = {f"p{i}": c for i, c in enumerate([0, 1, 3, 4, 0, 2, 2, 4])}
+    cfg, next_items, _ = make(["rollout.prompts_per_step=3", "rollout.gen_batch_prompts=4"], correct)
+    worker = CountingWorker(correct)
+    _, m = collect_step_batch(next_items, lambda items: [[0]] * len(items), worker, cfg, 0, [])
+    assert m["rollout/rounds"] == 2.0
+    assert m["reward/count"] == 2 * 4 * 4  # both rounds' 16 samples, not only the last round's
+    assert m["reward/correct"] == sum(correct.values())
