@@ -6,7 +6,8 @@ torchrun with gloo ranks running `python -m megarl.quickstart`, which:
 1. builds a tiny Qwen2-architecture model + character tokenizer from scratch and writes the
    synthetic arithmetic task (chain of thought ending in `Answer: <n>`),
 2. converts the HF model to a Megatron torch_dist checkpoint at the configured TP/PP,
-3. warm-starts it with SFT (deliberately short, so there is room to learn),
+3. warm-starts it with SFT (deliberately short, so there is room to learn; a finished SFT of the
+   same run dir with the same sft.* settings is reused),
 4. evaluates (greedy accuracy on held-out problems), runs RL, evaluates again,
 5. prints a table and, as its last line:
    quickstart: accuracy_before=<float> accuracy_after=<float> wall_s=<float> run_dir=<path>
@@ -15,6 +16,8 @@ torchrun with gloo ranks running `python -m megarl.quickstart`, which:
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -93,7 +96,12 @@ def worker(argv: list[str]) -> None:
         _hf_to_megatron(model_dir, mcore_dir, cfg.model.dtype)
     cfg.model.load = str(mcore_dir)
     t_sft = time.perf_counter()
-    sft_out = sft(cfg, save_to=str(run / "sft_actor"))
+    sft_out = _finished_sft(run / "sft_actor", cfg)
+    if sft_out is None:
+        sft_out = sft(cfg, save_to=str(run / "sft_actor"))
+        if rank0:
+            (run / "sft_actor" / SFT_DONE).write_text(json.dumps({**sft_out, "sft": _sft_settings(cfg)}))
+    dist.barrier()
     t_sft = time.perf_counter() - t_sft
 
     # 4. RL from the SFT checkpoint, evaluating before and after
@@ -112,6 +120,25 @@ def worker(argv: list[str]) -> None:
         print(f"quickstart: accuracy_before={before:.4f} accuracy_after={after:.4f} "
               f"wall_s={wall:.1f} run_dir={run}", flush=True)
     destroy_distributed()
+
+
+SFT_DONE = "sft_done.json"  # written after the SFT checkpoint is complete
+
+
+def _finished_sft(path: Path, cfg) -> dict | None:
+    """The SFT result of an earlier run of this quickstart with the same SFT settings, if its
+    checkpoint is complete (re-running a run dir, or one seeded with another run's tiny_model/,
+    task/, megatron_init/ and sft_actor/, skips the SFT phase)."""
+    done = path / SFT_DONE
+    if not done.exists():
+        return None
+    out = json.loads(done.read_text())
+    return out if out.pop("sft") == _sft_settings(cfg) else None
+
+
+def _sft_settings(cfg) -> dict:
+    """sft.* without the data path (always <run_dir>/task/sft.jsonl here)."""
+    return {k: v for k, v in dataclasses.asdict(cfg.sft).items() if k != "data_path"}
 
 
 def _hf_to_megatron(hf_dir: Path, out: Path, dtype: str) -> None:
