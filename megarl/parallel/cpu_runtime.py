@@ -24,6 +24,10 @@ megatron-core 0.16.1 assumes CUDA in a handful of places (see shared/reference/m
    leave 'step' out of the param-state copy and give every param its own step tensor.
 
 The runtime never activates when `torch.cuda.is_available()`; `activate()` raises instead.
+`activate(strict=True)` (or MEGARL_STRICT_DEVICE=1) adds strict device mode
+(`megarl.parallel.strict_device`): tensors that would live on the GPU are tracked, and code that
+would fail on the first GPU step (host tensors into the model, a loss or an NCCL collective)
+fails here too.
 """
 
 from __future__ import annotations
