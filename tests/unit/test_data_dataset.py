@@ -3,6 +3,8 @@
 import json
 import logging
 
+from pathlib import Path
+
 import pytest
 
 from megarl.data import (PromptItem, TEMPLATES, apply_template, load_prompt_dataset, render_prompt,
@@ -79,8 +81,8 @@ def test_missing_unsupported_and_empty_files(tmp_path):
         load_prompt_dataset(tmp_path / "l.json")
 
 
-def test_shared_dapo_sample_loads_cleanly():
-    ds = load_prompt_dataset("/work/shared/data/dapo_math_17k_sample.jsonl")
+def test_shipped_dapo_sample_loads_cleanly():
+    ds = load_prompt_dataset(Path(__file__).resolve().parents[2] / "data" / "dapo_math_17k_sample.jsonl")
     assert len(ds) == 2000 and ds.skipped == []
     assert [it.answer for it in ds.items[:3]] == ["34", "113", "-3"]
     assert ds[0].uid == "dapo17k-00000"
