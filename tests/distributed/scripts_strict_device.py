@@ -22,6 +22,40 @@ def error_of(fn) -> str | None:
     return None
 
 
+def entropy_and_whitening(cfg, batch, dp) -> dict:
+    """The entropy metric follows algorithm.loss_agg; GAE whitening takes its moments over the
+    policy-loss tokens only (overlong-filtered samples left out)."""
+    import dataclasses
+
+    from megarl.trainer import ppo
+    from megarl.trainer.batch import build_microbatch
+
+    seq_cfg = dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, loss_agg="seq-mean-token-mean"))
+    mb = build_microbatch(batch, list(range(len(batch))), row_tokens=None).to(device())
+    logits = torch.randn(*mb.input_ids.shape, 97, generator=torch.Generator().manual_seed(2)).to(device())
+    counts = ppo.global_counts(batch, list(range(len(batch))), dp, batch.loss_mask)
+    _, logs = ppo.actor_loss_fn(seq_cfg, counts, 1.0)(mb, logits)
+    ent = torch.distributions.Categorical(logits=logits.cpu().reshape(-1, 97)).entropy()
+    per_tok = mb.gather(ent.to(device())).cpu()
+    m = batch.loss_mask
+    expected_seq_mean = float(((per_tok * m).sum(-1) / m.sum(-1)).mean())
+
+    gae_cfg = dataclasses.replace(cfg, algorithm=dataclasses.replace(
+        cfg.algorithm, advantage="gae", whiten_advantages=True, overlong_filter=True))
+    batch.finish_reason[0] = "length"  # overlong-filtered
+    ppo.set_masks(batch, gae_cfg)
+    batch.values = torch.zeros_like(batch.response_mask)
+    batch.score = torch.tensor([100.0, 1.0, -1.0, 0.5])  # the filtered sample's huge reward must not skew the moments
+    rows = list(range(len(batch)))
+    local = batch.select(rows)
+    ppo.compute_advantages(batch, local, rows, gae_cfg, dp, 0.0)
+    a, lm = local.advantages, local.loss_mask
+    mean = float((a * lm).sum() / lm.sum())
+    var = float((((a - mean) * lm) ** 2).sum() / (lm.sum() - 1))
+    return {"entropy_seq_mean": float(logs["actor/entropy"]), "entropy_seq_mean_expected": expected_seq_mean,
+            "whitened_mean": mean, "whitened_var": var}
+
+
 def main(model_dir: str, out: str) -> None:
     from megatron.core import parallel_state as ps
 
@@ -74,6 +108,7 @@ def main(model_dir: str, out: str) -> None:
     res["streamed_tensors"] = len(streamed)
     res["streamed_on_device"] = all(strict_device.on_device(t) for t in streamed)
     res["logprobs_on_host"] = not strict_device.on_device(batch.old_logprobs)
+    res.update(entropy_and_whitening(cfg, batch, dp))
     # fp16: the schedules must scale the loss by the optimizer's dynamic loss scale before backward
     fp16 = TrainModel(hf_config, cfg.actor, dtype="fp16")
     res["fp16_scales_loss"] = fp16.config.grad_scale_func == fp16.optimizer.scale_loss

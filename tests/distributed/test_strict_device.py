@@ -56,3 +56,9 @@ def test_train_step_and_weight_stream_run_on_the_device(result):
 
 def test_fp16_losses_are_scaled_by_the_optimizers_loss_scale(result):
     assert result["fp16_scales_loss"] and result["fp16_loss_scale"] > 1.0
+
+
+def test_entropy_follows_loss_agg_and_whitening_skips_filtered_tokens(result):
+    assert result["entropy_seq_mean"] == pytest.approx(result["entropy_seq_mean_expected"], rel=1e-5)
+    assert result["whitened_mean"] == pytest.approx(0.0, abs=1e-6)
+    assert result["whitened_var"] == pytest.approx(1.0, rel=1e-4)
