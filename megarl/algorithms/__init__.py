@@ -2,9 +2,11 @@
 
 No torch.distributed, no megatron. Shapes: B sequences x T response tokens, `mask` [B, T] is 1 on
 tokens that count. Normalisation that must be global takes explicit `global_tokens`/`global_seqs`.
-Registries map config names to functions: ADVANTAGES, POLICY_LOSSES, LOSS_AGGS, KL_PENALTIES.
+Registries map config names to functions: ADVANTAGES, POLICY_LOSSES, LOSS_AGGS, KL_PENALTIES
+(`objectives.py`: GSPO, CISPO, SAPO, Clip-/KL-Cov, GMPO, GPG losses; ReMax, OPO, GPG estimators).
 """
 
+from . import objectives  # registers gspo, cispo, sapo, ... and remax, opo, gpg
 from .estimators import AdvantageInputs, AdvantageParams, compute_advantages
 from .gae import (
     compute_egae,
@@ -27,6 +29,7 @@ from .masked import (
     masked_whiten_by_role,
     stats_from_moments,
 )
+from .objectives import gpg_advantages, opo_advantages, token_covariance
 from .outcome import (
     broadcast_to_tokens,
     group_ids,
@@ -64,6 +67,7 @@ __all__ = [
     "entropy_from_logits",
     "explained_variance",
     "group_ids",
+    "gpg_advantages",
     "grpo_advantages",
     "kl_penalty",
     "last_valid_index",
@@ -74,6 +78,8 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "masked_whiten_by_role",
+    "objectives",
+    "opo_advantages",
     "overlong_filter_mask",
     "overlong_penalty",
     "pag_turn_layout",
@@ -87,6 +93,7 @@ __all__ = [
     "reverse_linear_scan",
     "rloo_advantages",
     "stats_from_moments",
+    "token_covariance",
     "value_loss",
     "vanilla_pg_loss",
 ]

@@ -1,5 +1,5 @@
 """Advantage estimators behind the config names (`advantage: gae | egae | grpo | rloo | reinforce_pp |
-reinforce_pp_baseline`), all with one signature:
+reinforce_pp_baseline`; remax, opo, gpg in objectives.py), all with one signature:
 
     ADVANTAGES[name](inputs: AdvantageInputs, params: AdvantageParams) -> (advantages [B, T], returns [B, T])
 
@@ -24,7 +24,8 @@ from .registry import ADVANTAGES
 class AdvantageInputs:
     """Tensors an estimator may use. token_rewards, mask: [B, T]; values: [B, T] (critic, GAE family);
     group_index: [N = B] prompt uid (group estimators); truncated: [B] bool (EGAE);
-    turn_starts: [B, T] bool (PAG turn-independent GAE); role_ids: [B, T] (PAG RoleAdvNorm)."""
+    turn_starts: [B, T] bool (PAG turn-independent GAE); role_ids: [B, T] (PAG RoleAdvNorm);
+    baseline_scores: [B] per-sample baseline reward (ReMax: the greedy response's reward)."""
 
     token_rewards: torch.Tensor
     mask: torch.Tensor
@@ -33,6 +34,7 @@ class AdvantageInputs:
     truncated: torch.Tensor | None = None
     turn_starts: torch.Tensor | None = None
     role_ids: torch.Tensor | None = None
+    baseline_scores: torch.Tensor | None = None
 
 
 @dataclass
@@ -40,7 +42,8 @@ class AdvantageParams:
     """gamma, lam: GAE discount and actor lambda (verl defaults 1.0). lam_critic: lambda of the critic
     returns (None = lam; VC-PPO/VAPO use 1.0 with lam 0.95). length_adaptive_alpha: VAPO alpha
     (e.g. 0.05) replacing lam by 1 - 1/(alpha*l) per sequence. whiten: whiten GAE advantages.
-    norm_by_std, eps: GRPO (norm_by_std=False is Dr. GRPO)."""
+    norm_by_std, eps: GRPO (norm_by_std=False is Dr. GRPO). gpg_alpha, gpg_norm_by_std: GPG's
+    B/(B-M) correction and std normaliser (objectives.gpg_advantages)."""
 
     gamma: float = 1.0
     lam: float = 1.0
@@ -49,6 +52,8 @@ class AdvantageParams:
     whiten: bool = True
     norm_by_std: bool = True
     eps: float = 1e-6
+    gpg_alpha: bool = True
+    gpg_norm_by_std: bool = False
 
 
 def _need(inputs: AdvantageInputs, field: str, estimator: str):

@@ -254,7 +254,9 @@ def value_loss(
     ret = returns.to(values.dtype)
     err = (values - ret) ** 2
     if clip_eps is not None:
-        v_clip = old_values + (values - old_values).clamp(-clip_eps, clip_eps)
+        # clamp v itself (not old + clamp(v - old)): inside the range v_clip is then exactly v, so
+        # vf_clipfrac counts only tokens that are really clipped (the round trip can change the last bit)
+        v_clip = torch.clamp(values, old_values - clip_eps, old_values + clip_eps)
         err_clip = (v_clip - ret) ** 2
         per_token = 0.5 * torch.maximum(err, err_clip)
     else:

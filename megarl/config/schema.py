@@ -127,16 +127,40 @@ class RolloutConfig:
 class AlgorithmConfig:
     name: str = doc_field("grpo", "informational recipe name (dapo, vapo, ppo, ...)")
     advantage: str = doc_field(
-        "grpo", "advantage estimator: gae, egae, grpo, rloo, reinforce_pp, reinforce_pp_baseline, or "
+        "grpo", "advantage estimator: gae, egae, grpo, rloo, reinforce_pp, reinforce_pp_baseline, remax, opo, gpg, or "
         "'package.module:function' (signature of megarl.algorithms.ADVANTAGES entries)"
     )
     norm_adv_by_std: bool = doc_field(True, "GRPO: divide by the group std (false = Dr. GRPO)")
     whiten_advantages: bool = doc_field(False, "whiten advantages over all masked tokens of the batch (GAE)")
-    policy_loss: str = doc_field("ppo", "policy loss (megarl.algorithms.POLICY_LOSSES): ppo (clipped), vanilla_pg")
+    policy_loss: str = doc_field(
+        "ppo", "policy loss (megarl.algorithms.POLICY_LOSSES): ppo (clipped), vanilla_pg, gspo, gspo_token, cispo, "
+        "sapo, clip_cov, kl_cov, gmpo, gpg (megarl/algorithms/objectives.py)"
+    )
     loss_agg: LossAgg = doc_field("token-mean", "loss aggregation; denominators are global over the mini-batch")
     clip_low: float = doc_field(0.2, "PPO ratio clip epsilon below 1")
     clip_high: float = doc_field(0.2, "PPO ratio clip epsilon above 1 (clip-higher: > clip_low)")
     clip_c: float | None = doc_field(None, "dual-clip constant c (> 1) for negative advantages; null = off")
+    gspo_clip_low: float = doc_field(3e-4, "GSPO / GSPO-token: sequence-ratio clip epsilon below 1 (paper 3e-4)")
+    gspo_clip_high: float = doc_field(4e-4, "GSPO / GSPO-token: sequence-ratio clip epsilon above 1 (paper 4e-4)")
+    cispo_clip_low: float | None = doc_field(
+        None, "CISPO: IS-weight clip epsilon below 1; null = no lower bound (MiniMax-M1 sets it 'large')"
+    )
+    cispo_clip_high: float = doc_field(
+        0.2, "CISPO: IS-weight clip epsilon above 1 (tuned in MiniMax-M1, value not stated; verl's example 0.2)"
+    )
+    sapo_tau_pos: float = doc_field(1.0, "SAPO: soft-gate temperature for positive advantages (paper 1.0)")
+    sapo_tau_neg: float = doc_field(1.05, "SAPO: soft-gate temperature for advantages <= 0 (paper 1.05)")
+    clip_cov_ratio: float = doc_field(2e-4, "Clip-Cov: fraction of a micro-batch's tokens whose gradient is detached (2e-4)")
+    clip_cov_lb: float = doc_field(1.0, "Clip-Cov: lower bound of the covariance range tokens are drawn from (1.0)")
+    clip_cov_ub: float = doc_field(5.0, "Clip-Cov: upper bound of the covariance range tokens are drawn from (5.0)")
+    kl_cov_ratio: float = doc_field(
+        2e-4, "KL-Cov: fraction of a micro-batch's tokens (top covariance) that get the KL penalty (paper 2e-3 7B, 2e-4 32B)"
+    )
+    kl_cov_coef: float = doc_field(1.0, "KL-Cov: coefficient of |logp - logp_old| on the selected tokens (paper 1.0)")
+    gmpo_clip_low: float = doc_field(0.4, "GMPO: log-ratio clip below 0 (ratio >= e^-eps; paper 0.4)")
+    gmpo_clip_high: float = doc_field(0.4, "GMPO: log-ratio clip above 0 (ratio <= e^eps; paper 0.4)")
+    gpg_alpha: bool = doc_field(True, "GPG advantage: scale by B/(B-M), M = samples of groups with equal scores (paper)")
+    gpg_norm_by_std: bool = doc_field(False, "GPG advantage: divide by the group std (F_norm = std; paper default F_norm = 1)")
     gamma: float = doc_field(1.0, "discount")
     lam_actor: float = doc_field(1.0, "GAE lambda of the policy advantages")
     lam_critic: float = doc_field(1.0, "GAE lambda of the critic targets (decoupled GAE)")

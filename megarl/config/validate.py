@@ -83,6 +83,17 @@ def validate_config(cfg: MegaRLConfig, where: Callable[[str], str] | None = None
     e.check(a.clip_low >= 0 and a.clip_low < 1, "algorithm.clip_low", f"must be in [0, 1), got {a.clip_low}")
     e.check(a.clip_high >= 0, "algorithm.clip_high", f"must be >= 0, got {a.clip_high}")
     e.check(a.clip_c is None or a.clip_c > 1, "algorithm.clip_c", f"dual-clip c must be > 1 (or null), got {a.clip_c}")
+    e.check(0 <= a.gspo_clip_low < 1, "algorithm.gspo_clip_low", f"must be in [0, 1), got {a.gspo_clip_low}")
+    for name in ("gspo_clip_high", "cispo_clip_high", "gmpo_clip_low", "gmpo_clip_high", "kl_cov_coef"):
+        e.check(getattr(a, name) >= 0, f"algorithm.{name}", f"must be >= 0, got {getattr(a, name)}")
+    e.check(a.cispo_clip_low is None or a.cispo_clip_low >= 0, "algorithm.cispo_clip_low",
+            f"must be >= 0 or null, got {a.cispo_clip_low}")
+    for name in ("sapo_tau_pos", "sapo_tau_neg"):
+        e.check(getattr(a, name) > 0, f"algorithm.{name}", f"must be > 0, got {getattr(a, name)}")
+    for name in ("clip_cov_ratio", "kl_cov_ratio"):
+        e.check(0 < getattr(a, name) <= 1, f"algorithm.{name}", f"must be in (0, 1], got {getattr(a, name)}")
+    e.check(a.clip_cov_lb < a.clip_cov_ub, "algorithm.clip_cov_ub",
+            f"must be > algorithm.clip_cov_lb={a.clip_cov_lb}, got {a.clip_cov_ub}")
     e.check(0 <= a.gamma <= 1, "algorithm.gamma", f"must be in [0, 1], got {a.gamma}")
     e.check(0 <= a.lam_actor <= 1, "algorithm.lam_actor", f"must be in [0, 1], got {a.lam_actor}")
     e.check(0 <= a.lam_critic <= 1, "algorithm.lam_critic", f"must be in [0, 1], got {a.lam_critic}")

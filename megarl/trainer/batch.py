@@ -37,6 +37,7 @@ class Trajectory:
     acc: bool = False  # correctness, used by dynamic sampling and the positive-example loss
     data_source: str = "math"
     policy_version: int = 0  # the training step whose weights generated it
+    baseline_score: float | None = None  # ReMax: score of the greedy response to the same prompt
 
     @property
     def length(self) -> int:
@@ -73,6 +74,7 @@ class StepBatch:
     routed_experts: torch.Tensor | None = None
     turn_ids: torch.Tensor | None = None
     images: list | None = None
+    baseline_score: torch.Tensor | None = None  # [B] float32 ReMax baseline (greedy response's score)
 
     @classmethod
     def from_trajectories(cls, trajs: list[Trajectory]) -> "StepBatch":
@@ -91,6 +93,8 @@ class StepBatch:
             acc=torch.tensor([bool(t.acc) for t in trajs], dtype=torch.bool),
             policy_version=torch.tensor([int(t.policy_version) for t in trajs], dtype=torch.int64),
             response_mask=mask, rollout_logprobs=rollout,
+            baseline_score=(torch.tensor([float(t.baseline_score) for t in trajs], dtype=torch.float32)
+                            if trajs and all(t.baseline_score is not None for t in trajs) else None),
         )
 
     def __len__(self) -> int:
@@ -232,6 +236,7 @@ def build_microbatch(batch: StepBatch, rows: list[int], row_tokens: int | None =
 def split_microbatches(batch: StepBatch, rows: list[int], max_tokens: int, row_tokens: int | None = None,
                        pad_multiple: int = 1) -> list[MicroBatch]:
     """Token-budget micro-batches (first-fit-decreasing over whole sequences) of these rows."""
-    lengths = [padded_length(batch.lengths[i], pad_multiple) for i in rows]
+    all_lengths = batch.lengths
+    lengths = [padded_length(all_lengths[i], pad_multiple) for i in rows]
     groups = token_budget_microbatches(lengths, max_tokens)
     return [build_microbatch(batch, [rows[i] for i in g], row_tokens, pad_multiple) for g in groups]

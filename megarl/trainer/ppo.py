@@ -97,7 +97,8 @@ def _params(cfg, value_pretraining: bool) -> A.AdvantageParams:
     al = cfg.algorithm
     p = A.AdvantageParams(gamma=al.gamma, lam=al.lam_actor, lam_critic=al.lam_critic,
                           length_adaptive_alpha=al.length_adaptive_alpha, whiten=False,
-                          norm_by_std=al.norm_adv_by_std)
+                          norm_by_std=al.norm_adv_by_std, gpg_alpha=al.gpg_alpha,
+                          gpg_norm_by_std=al.gpg_norm_by_std)
     if value_pretraining:  # VC-PPO: critic targets are Monte-Carlo returns (lambda = 1, gamma as set)
         p.lam, p.lam_critic, p.length_adaptive_alpha = 1.0, 1.0, None
     return p
@@ -150,7 +151,8 @@ def compute_advantages(batch: StepBatch, local: StepBatch, local_rows: list[int]
     if not uses_critic_advantage(cfg):
         full_rewards = (gather_rows(rewards, local_rows, len(batch), dp_group) if kl_in_reward(cfg)
                         else A.place_outcome_reward(batch.score, batch.response_mask))
-        inputs = A.AdvantageInputs(token_rewards=full_rewards, mask=batch.response_mask, group_index=batch.uid)
+        inputs = A.AdvantageInputs(token_rewards=full_rewards, mask=batch.response_mask, group_index=batch.uid,
+                                   baseline_scores=batch.baseline_score)
         adv, _ = estimator(inputs, params)
         local.advantages = adv[torch.tensor(local_rows, dtype=torch.long)] * local.response_mask
         local.returns = local.advantages
@@ -204,9 +206,17 @@ def _share(metrics: dict[str, torch.Tensor], n_local: float, n_global: float, pr
             if k not in ("ratio_max", "ratio_min", "n_tokens")}
 
 
+def objective_kwargs(cfg) -> dict:
+    """The keyword parameters of the selected policy loss from their algorithm.* fields
+    (megarl.algorithms.objectives.CONFIG_KWARGS; none for ppo / vanilla_pg)."""
+    fields = A.objectives.CONFIG_KWARGS.get(cfg.algorithm.policy_loss, {})
+    return {kw: getattr(cfg.algorithm, name) for kw, name in fields.items()}
+
+
 def actor_loss_fn(cfg, counts: dict[str, float], temperature: float):
     al = cfg.algorithm
     policy_loss = A.POLICY_LOSSES[al.policy_loss]
+    objective = objective_kwargs(cfg)
     denominators = dict(global_tokens=counts["tokens"], global_seqs=counts["seqs"], max_len=cfg.rollout.max_new_tokens)
 
     def loss_fn(mb: MicroBatch, logits):
@@ -214,7 +224,7 @@ def actor_loss_fn(cfg, counts: dict[str, float], temperature: float):
         logp = mb.gather(vocab_parallel.token_log_probs(logits, mb.targets, temperature))
         mask = d.loss_mask
         loss, m = policy_loss(logp, d.old_logprobs, d.advantages, mask, al.clip_low, al.clip_high, al.clip_c,
-                              agg=al.loss_agg, **denominators)
+                              agg=al.loss_agg, **denominators, **objective)
         logs = _share(m, float(mask.sum()), counts["tokens"], "actor")
         logs["actor/pg_loss"] = loss.detach()
         if al.kl_coef > 0 and not al.kl_in_reward:

@@ -135,7 +135,7 @@ def collect_step_batch(next_items, encode, worker: RolloutWorker, cfg, step: int
     all_generated: list[Trajectory] = []
     if not cfg.algorithm.dynamic_sampling:
         items = next_items(ro.prompts_per_step)
-        trajs = worker.generate(items, encode(items), sampling_from_config(ro, seed=_seed(cfg, step, 0)))
+        trajs = _generate(worker, items, encode(items), cfg, _seed(cfg, step, 0))
         stats["rollout/rounds"] = 1.0
         return trajs, {**stats, **_generation_metrics(trajs, trajs), **worker.metrics}
     reward_metrics: dict[str, float] = {}
@@ -148,7 +148,7 @@ def collect_step_batch(next_items, encode, worker: RolloutWorker, cfg, step: int
                 "easy or too hard for the policy — raise rollout.max_gen_batches or change the data"
             )
         items = next_items(ro.gen_batch_prompts or ro.prompts_per_step)
-        trajs = worker.generate(items, encode(items), sampling_from_config(ro, seed=_seed(cfg, step, rnd)))
+        trajs = _generate(worker, items, encode(items), cfg, _seed(cfg, step, rnd))
         all_generated.extend(trajs)
         for k, v in worker.metrics.items():  # counts and sums: add up over the rounds
             reward_metrics[k] = reward_metrics.get(k, 0.0) + v
@@ -163,6 +163,28 @@ def collect_step_batch(next_items, encode, worker: RolloutWorker, cfg, step: int
     batch = [t for g in taken for t in g]
     stats["rollout/kept_group_frac"] = len(taken) / max(stats["rollout/generated_groups"], 1.0)
     return batch, {**stats, **_generation_metrics(all_generated or batch, batch), **reward_metrics}
+
+
+def greedy_sampling(sampling: SamplingParams) -> SamplingParams:
+    """One greedy response per prompt (temperature 0, no FIRE), otherwise as `sampling`."""
+    return SamplingParams(**{**sampling.__dict__, "n": 1, "temperature": 0.0, "fire": False})
+
+
+def _generate(worker, items, encoded, cfg, seed: int) -> list[Trajectory]:
+    """`worker.generate` of one round. With algorithm.advantage=remax also one greedy response per
+    prompt (ReMax's baseline, arXiv 2310.10505): its score becomes `baseline_score` of that prompt's
+    sampled trajectories, and the greedy trajectory itself is dropped (never trained on).
+    worker.metrics keeps the sampled call's reward metrics."""
+    sampling = sampling_from_config(cfg.rollout, seed=seed)
+    trajs = worker.generate(items, encoded, sampling)
+    if cfg.algorithm.advantage != "remax":
+        return trajs
+    sampled_metrics = dict(worker.metrics)
+    baseline = {t.uid: float(t.score) for t in worker.generate(items, encoded, greedy_sampling(sampling))}
+    worker.metrics = sampled_metrics
+    for t in trajs:
+        t.baseline_score = baseline[t.uid]
+    return trajs
 
 
 def collect_function(cfg):
@@ -180,7 +202,11 @@ def _generation_metrics(generated: list[Trajectory], batch: list[Trajectory]) ->
     """Reward / accuracy over everything generated this step; lengths over the training batch."""
     n = max(len(generated), 1)
     lengths = [len(t.response_ids) for t in batch] or [0]
+    extra = {}
+    if batch and all(t.baseline_score is not None for t in batch):  # ReMax
+        extra["reward/greedy_baseline_mean"] = sum(t.baseline_score for t in batch) / len(batch)
     return {
+        **extra,
         "reward/mean": sum(t.score for t in generated) / n,
         "reward/accuracy": sum(t.acc for t in generated) / n,
         "response_length/mean": sum(lengths) / len(lengths),

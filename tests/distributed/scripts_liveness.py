@@ -26,6 +26,8 @@ NOT_ON_CPU = {
     "rollout.mem_fraction": "SGLang's mem_fraction_static (passed by build_engine to the SGLang engine; no SGLang on CPU)",
 }
 SHOWN_ELSEWHERE = {
+    "algorithm.gpg_alpha": "tests/unit/test_algorithms_objectives.py::test_gpg_alpha_field_is_live_in_the_trainer "
+                           "(alpha differs from 1 only with an all-equal group, which the fixed batch here lacks)",
     "trainer.resume": "tests/distributed/test_trainer.py::test_resume_matches_uninterrupted_run",
     "algorithm.name": "tests/unit/test_config_recipes.py::test_every_preset_and_recipe_loads (a label, written to "
                       "run_dir/config.yaml; each preset's name is its file's)",
@@ -514,6 +516,22 @@ WITNESSES = {
     "algorithm.clip_low": W("0.01", obs_actor_loss),
     "algorithm.clip_high": W("0.01", obs_actor_loss),
     "algorithm.clip_c": W("1.1", obs_actor_loss),
+    "algorithm.gspo_clip_low": W("0.05", obs_actor_loss, "algorithm.policy_loss=gspo"),
+    "algorithm.gspo_clip_high": W("0.05", obs_actor_loss, "algorithm.policy_loss=gspo"),
+    "algorithm.cispo_clip_low": W("0.1", obs_actor_loss, "algorithm.policy_loss=cispo"),
+    "algorithm.cispo_clip_high": W("0.05", obs_actor_loss, "algorithm.policy_loss=cispo"),
+    "algorithm.sapo_tau_pos": W("3.0", obs_actor_loss, "algorithm.policy_loss=sapo"),
+    "algorithm.sapo_tau_neg": W("3.0", obs_actor_loss, "algorithm.policy_loss=sapo"),
+    "algorithm.clip_cov_ratio": W("1.0", obs_actor_loss, "algorithm.policy_loss=clip_cov", "algorithm.clip_cov_lb=-100",
+                                  "algorithm.clip_cov_ub=100"),
+    "algorithm.clip_cov_lb": W("-100.0", obs_actor_loss, "algorithm.policy_loss=clip_cov", "algorithm.clip_cov_ratio=1.0"),
+    "algorithm.clip_cov_ub": W("0.5", obs_actor_loss, "algorithm.policy_loss=clip_cov", "algorithm.clip_cov_ratio=1.0",
+                               "algorithm.clip_cov_lb=0.0"),
+    "algorithm.kl_cov_ratio": W("0.5", obs_actor_loss, "algorithm.policy_loss=kl_cov"),
+    "algorithm.kl_cov_coef": W("5.0", obs_actor_loss, "algorithm.policy_loss=kl_cov"),
+    "algorithm.gmpo_clip_low": W("0.01", obs_actor_loss, "algorithm.policy_loss=gmpo"),
+    "algorithm.gmpo_clip_high": W("0.01", obs_actor_loss, "algorithm.policy_loss=gmpo"),
+    "algorithm.gpg_norm_by_std": W("true", obs_advantages, "algorithm.advantage=gpg"),
     "algorithm.gamma": W("0.5", obs_advantages, *CRITIC_GAE),
     "algorithm.lam_actor": W("0.5", obs_advantages, *CRITIC_GAE),
     "algorithm.lam_critic": W("0.5", obs_advantages, *CRITIC_GAE),

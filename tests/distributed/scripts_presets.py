@@ -63,6 +63,19 @@ def presets() -> dict[str, list[str]]:
     return out
 
 
+# run name -> overrides: every policy loss and advantage estimator of megarl/algorithms/objectives.py
+OBJECTIVE_RUNS = {
+    "gspo": ["algorithm.policy_loss=gspo"],
+    "gspo_token+remax": ["algorithm.policy_loss=gspo_token", "algorithm.advantage=remax"],
+    "cispo+opo": ["algorithm.policy_loss=cispo", "algorithm.advantage=opo"],
+    "sapo": ["algorithm.policy_loss=sapo"],
+    "clip_cov": ["algorithm.policy_loss=clip_cov", "algorithm.clip_cov_ratio=0.1"],
+    "kl_cov": ["algorithm.policy_loss=kl_cov", "algorithm.kl_cov_ratio=0.1"],
+    "gmpo": ["algorithm.policy_loss=gmpo"],
+    "gpg+gpg": ["algorithm.policy_loss=gpg", "algorithm.advantage=gpg"],
+}
+
+
 def run(name: str, config: str, overrides: list[str], root: Path) -> list[dict]:
     run_dir = root / "runs" / name.replace("/", "_")
     cfg = load_config(config, overrides + [f"trainer.run_dir={run_dir}"])
@@ -87,6 +100,10 @@ def main():
     res["custom_advantage"] = {"rows": run("custom_advantage", str(REPO / "configs/algorithms/grpo.yaml"),
                                            base + ["algorithm.advantage=tests.distributed.scripts_presets:sign_advantage",
                                                    "algorithm.kl_coef=0.0"], root), "algorithm": "custom"}
+    for name, extra in OBJECTIVE_RUNS.items():  # megarl/algorithms/objectives.py on the grpo preset
+        res[f"objective/{name}"] = {"rows": run(f"objective_{name}", str(REPO / "configs/algorithms/grpo.yaml"),
+                                                base + ["algorithm.kl_coef=0.0", *extra], root),
+                                    "algorithm": "objective"}
     from tests.distributed import scripts_presets as plugins  # the module the dotted paths imported
 
     calls = torch.tensor([plugins.CALLS["reward"], plugins.CALLS["advantage"]], dtype=torch.float64, device=device())

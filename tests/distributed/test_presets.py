@@ -79,3 +79,22 @@ def test_custom_reward_and_advantage_by_dotted_path(result):
     assert result["calls"]["reward"] > 0 and result["calls"]["advantage"] > 0
     rows = train_rows(result["custom_advantage"]["rows"])
     assert rows and 0 < rows[0]["reward/accuracy"] < 1  # the coin reward, not the arithmetic checker
+
+
+OBJECTIVE_METRIC = {"gspo": "actor/seq_ratio_mean", "gspo_token+remax": "reward/greedy_baseline_mean",
+                    "cispo+opo": "actor/clipfrac_high", "sapo": "actor/gate_mean", "clip_cov": "actor/cov_detached_frac",
+                    "kl_cov": "actor/kl_cov_frac", "gmpo": "actor/clipfrac", "gpg+gpg": "actor/pg_loss"}
+
+
+def test_every_objective_runs_rl_steps(result):
+    import math
+
+    runs = presets(result, "objective")
+    assert set(runs) == {f"objective/{k}" for k in OBJECTIVE_METRIC}
+    for name, rows in runs.items():
+        rows = train_rows(rows)
+        assert [r["step"] for r in rows] == [1, 2], name
+        for r in rows:
+            assert math.isfinite(r["actor/pg_loss"]) and math.isfinite(r["grad_norm"]), (name, r)
+            assert OBJECTIVE_METRIC[name.split("/", 1)[1]] in r, name
+            assert "actor/kl_loss" not in r, name

@@ -195,3 +195,12 @@ def test_entropy_from_logits():
     p = torch.softmax(z, -1)
     torch.testing.assert_close(entropy_from_logits(z), -(p * p.log()).sum(-1))
     assert entropy_from_logits(z.to(torch.bfloat16)).dtype == torch.float32
+
+
+def test_value_loss_clipfrac_zero_inside_the_clip_range_float64():
+    # old + clamp(v - old) rounds to a value one ulp away from v here; clamping v itself does not
+    f = lambda x: torch.tensor([[x]], dtype=torch.float64)  # noqa: E731
+    v, old, ret = f(0.04757655385024031), f(0.24216704823047347), f(0.024120007262474256)
+    loss, met = value_loss(v, old, ret, torch.ones(1, 1, dtype=torch.float64), clip_eps=0.5)
+    assert float(met["vf_clipfrac"]) == 0.0
+    assert float(loss) == 0.5 * (0.04757655385024031 - 0.024120007262474256) ** 2

@@ -163,7 +163,7 @@ def test_enum_values_are_checked_with_suggestion():
     with pytest.raises(ConfigError) as e2:  # registry names are checked with the cross-field rules
         load_config(None, ["algorithm.advantage=grop"])
     assert "algorithm.advantage" in errors_of(e2) and "did you mean 'grpo'" in errors_of(e2)
-    assert "['egae', 'gae', 'grpo', 'reinforce_pp', 'reinforce_pp_baseline', 'rloo']" in errors_of(e2)
+    assert "['egae', 'gae', 'gpg', 'grpo', 'opo', 'reinforce_pp', 'reinforce_pp_baseline', 'remax', 'rloo']" in errors_of(e2)
     assert "algorithm.loss_agg" in msg and "model.fp8" in msg
 
 
