@@ -9,7 +9,7 @@ A batch function returns one RewardOutput or Exception per input.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Callable
+from typing import Callable
 
 from megarl.rewards.types import RewardError, RewardInput, RewardOutput
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 
@@ -116,7 +117,6 @@ def engine_group(tp: int, timeout: timedelta | None = None):
     so `timeout` (default 2 hours) must outlast the longest generation.
     """
     import os
-    from datetime import timedelta
 
     import torch.distributed as dist
 

@@ -59,7 +59,6 @@ def train_two_steps(model, cfg, batch) -> tuple[list[float], list[float]]:
 
 
 def case_layouts(cfg, hf_config) -> dict:
-    from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megarl.weights import load_hf_weights
@@ -98,7 +97,6 @@ def case_resume(cfg_path: str, overrides: list[str], root: Path) -> dict:
 
 
 def case_nan(cfg, hf_config, root: Path) -> dict:
-    from megatron.core import parallel_state as ps
 
     init_distributed(ParallelSizes(tp=2), seed=3)
     latest = checkpoint.read_latest(root / "resumed")
