@@ -150,10 +150,6 @@ class MicroBatch:
     cu_seqlens: torch.Tensor  # [n+1] int32 (padded) sequence boundaries of the single row (THD path)
     segments: list[list[int]] = field(default_factory=list)  # padded sequence lengths per row
 
-    @property
-    def n_tokens(self) -> int:
-        return int(self.input_ids.numel())
-
     def attention_mask(self) -> torch.Tensor:
         """[rows, 1, S, S] bool block-causal mask (True = masked) for megatron's local attention.
 

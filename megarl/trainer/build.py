@@ -140,7 +140,7 @@ def engine_group(tp: int, timeout: timedelta | None = None):
 JUDGE_SOURCES = ("genrm", "pairwise_genrm")
 
 
-def build_rewards(cfg, hf_config=None, tokenizer=None):
+def build_rewards(cfg):
     """The reward manager; with a GenRM source, also its judge (resource "judge"): a generative
     judge on a builtin engine loaded with `reward.judge_path` (an HF model directory; default:
     the policy's own model.hf_path, i.e. self-judging)."""

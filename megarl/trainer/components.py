@@ -140,7 +140,7 @@ def build_components(cfg) -> RunComponents:
     critic = build.build_critic(cfg, hf_config, actor) if cfg.critic.enable else None
     ref = build.build_actor(cfg, hf_config, optim=False) if cfg.algorithm.kl_coef > 0 else None
     engine = build.build_engine(cfg, hf_config, tokenizer)
-    rewards = build.build_rewards(cfg, hf_config, tokenizer)
+    rewards = build.build_rewards(cfg)
     worker = RolloutWorker(engine, tokenizer, rewards, cfg,
                            ranks_per_engine=cfg.parallel.rollout_tp if cfg.rollout.engine == "sglang" else 1)
     return RunComponents(

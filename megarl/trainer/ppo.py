@@ -17,7 +17,7 @@ import torch.distributed as dist
 from megarl import algorithms as A
 from megarl.data.packing import balance_across_dp
 from megarl.parallel.distributed import device
-from megarl.plugins import resolve
+from megarl.plugins import is_dotted_path, resolve
 from megarl.trainer import vocab_parallel
 from megarl.trainer.batch import MicroBatch, StepBatch
 
@@ -27,7 +27,7 @@ CRITIC_ADVANTAGES = ("gae", "egae")
 def uses_critic_advantage(cfg) -> bool:
     """gae/egae, or a custom (dotted-path) estimator in a run with a critic."""
     name = cfg.algorithm.advantage
-    return name in CRITIC_ADVANTAGES or (":" in name and cfg.critic.enable)
+    return name in CRITIC_ADVANTAGES or (is_dotted_path(name) and cfg.critic.enable)
 
 
 def split_minibatches(batch: StepBatch, mini_batch_size: int, seed: int, dp_rank: int,

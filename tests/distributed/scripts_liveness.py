@@ -289,7 +289,7 @@ def obs_masks(ctx, cfg):
     return [_round(batch.loss_mask.sum(-1)), _round(batch.value_mask.sum(-1))]
 
 
-def obs_advantages(ctx, cfg, value_pretraining=False):
+def obs_advantages(ctx, cfg):
     from megarl.trainer import ppo
 
     batch = fixed_batch(cfg)
@@ -297,7 +297,7 @@ def obs_advantages(ctx, cfg, value_pretraining=False):
     local = batch.select(list(range(len(batch))))
     kl = ppo.kl_controller(cfg)
     metrics = ppo.compute_advantages(batch, local, list(range(len(batch))), cfg, None, kl.value,
-                                     value_pretraining or ppo.value_pretraining(cfg, 0))
+                                     ppo.value_pretraining(cfg, 0))
     return {"adv": _round(local.advantages), "ret": _round(local.returns), "m": sorted(metrics)}
 
 
