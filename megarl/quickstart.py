@@ -11,6 +11,14 @@ torchrun with gloo ranks running `python -m megarl.quickstart`, which:
 4. evaluates (greedy accuracy on held-out problems), runs RL, evaluates again,
 5. prints a table and, as its last line:
    quickstart: accuracy_before=<float> accuracy_after=<float> wall_s=<float> run_dir=<path>
+
+Resumable: every step's output appears only complete (the tiny model, task files and Megatron
+conversion are written to `<name>.partial` and renamed; the SFT checkpoint counts once
+`sft_done.json` is written), so re-running the same command skips finished steps and redoes an
+interrupted one. With `trainer.resume=true` the RL continues from the newest complete
+checkpoint (configs/quickstart/base.yaml saves every 10 steps), and the final line is the same
+as an uninterrupted run's (wall_s aside): accuracy_before comes from the step-0 evaluation the
+first attempt logged to metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -58,7 +67,7 @@ def worker(argv: list[str]) -> None:
     from megarl.cli import _setup_logging
     from megarl.config import save_config
     from megarl.config.cli import add_config_arguments, config_from_args
-    from megarl.parallel.distributed import destroy_distributed, init_distributed
+    from megarl.parallel.distributed import destroy_distributed, init_distributed, phase
 
     t0 = time.perf_counter()
     p = argparse.ArgumentParser(prog="python -m megarl.quickstart")
@@ -78,10 +87,10 @@ def worker(argv: list[str]) -> None:
 
         run.mkdir(parents=True, exist_ok=True)
         save_config(cfg, str(run / "config.yaml"))
-        if not (model_dir / "config.json").exists():
-            save_tiny_model(model_dir, TinyModelSpec(seed=cfg.trainer.seed))
-        if not (task_dir / "eval.jsonl").exists():
-            write_task_files(task_dir, n_sft=12000, n_train=4000, n_eval=200, seed=cfg.trainer.seed)
+        with phase("build"):
+            _write_once(model_dir, lambda tmp: save_tiny_model(tmp, TinyModelSpec(seed=cfg.trainer.seed)))
+            _write_once(task_dir, lambda tmp: write_task_files(tmp, n_sft=12000, n_train=4000, n_eval=200,
+                                                               seed=cfg.trainer.seed))
     dist.barrier()
     cfg.model.hf_path = str(model_dir)
     cfg.sft.data_path = str(task_dir / "sft.jsonl")
@@ -93,15 +102,30 @@ def worker(argv: list[str]) -> None:
 
     mcore_dir = run / "megatron_init"
     if not (mcore_dir / "megarl_model.json").exists():
-        _hf_to_megatron(model_dir, mcore_dir, cfg.model.dtype)
+        with phase("convert"):
+            partial = mcore_dir.with_name(mcore_dir.name + ".partial")
+            if rank0:
+                shutil.rmtree(partial, ignore_errors=True)
+            dist.barrier()
+            _hf_to_megatron(model_dir, partial, cfg.model.dtype)
+            if rank0:
+                os.replace(partial, mcore_dir)
+            dist.barrier()
     cfg.model.load = str(mcore_dir)
     t_sft = time.perf_counter()
     sft_out = _finished_sft(run / "sft_actor", cfg)
     if sft_out is None:
-        sft_out = sft(cfg, save_to=str(run / "sft_actor"))
-        if rank0:
-            (run / "sft_actor" / SFT_DONE).write_text(json.dumps({**sft_out, "sft": _sft_settings(cfg)}))
-    dist.barrier()
+        with phase("sft"):
+            if rank0:  # an interrupted attempt's checkpoint and log
+                shutil.rmtree(run / "sft_actor", ignore_errors=True)
+                shutil.rmtree(run / "sft", ignore_errors=True)
+            dist.barrier()
+            sft_out = sft(cfg, save_to=str(run / "sft_actor"))
+            if rank0:
+                tmp = run / "sft_actor" / f".{SFT_DONE}.tmp"
+                tmp.write_text(json.dumps({**sft_out, "sft": _sft_settings(cfg)}))
+                os.replace(tmp, run / "sft_actor" / SFT_DONE)
+            dist.barrier()
     t_sft = time.perf_counter() - t_sft
 
     # 4. RL from the SFT checkpoint, evaluating before and after
@@ -110,10 +134,12 @@ def worker(argv: list[str]) -> None:
     cfg.model.load = sft_out["checkpoint"]
     cfg.trainer.val_before_train = True
     t_rl = time.perf_counter()
-    result = train(cfg)
+    with phase("rl"):
+        result = train(cfg)
     t_rl = time.perf_counter() - t_rl
-    before = result["first_eval"].get("eval/accuracy", float("nan"))
-    after = result["last_eval"].get("eval/accuracy", float("nan"))
+    # a resumed run did not evaluate before training (nor after, resumed at the last step)
+    before = result["first_eval"].get("eval/accuracy", _logged_eval(run, 0))
+    after = result["last_eval"].get("eval/accuracy", _logged_eval(run, cfg.trainer.total_steps))
     wall = time.perf_counter() - t0
     if rank0:
         _print_table(cfg, sft_out, before, after, t_sft, t_rl, wall)
@@ -125,6 +151,30 @@ def worker(argv: list[str]) -> None:
 SFT_DONE = "sft_done.json"  # written after the SFT checkpoint is complete
 
 
+def _write_once(path: Path, write) -> None:
+    """`write(tmp)` into `<path>.partial`, renamed to `path` when done; nothing if `path` exists."""
+    if path.exists():
+        return
+    partial = path.with_name(path.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    write(partial)
+    os.replace(partial, path)
+
+
+def _logged_eval(run: Path, step: int) -> float:
+    """The last eval/accuracy logged for `step` in run/metrics.jsonl (nan if none)."""
+    value = float("nan")
+    path = run / "metrics.jsonl"
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a line a kill cut short
+            continue
+        if row.get("step") == step and row.get("eval/accuracy") is not None:
+            value = float(row["eval/accuracy"])
+    return value
+
+
 def _finished_sft(path: Path, cfg) -> dict | None:
     """The SFT result of an earlier run of this quickstart with the same SFT settings, if its
     checkpoint is complete (re-running a run dir, or one seeded with another run's tiny_model/,
@@ -133,7 +183,7 @@ def _finished_sft(path: Path, cfg) -> dict | None:
     if not done.exists():
         return None
     out = json.loads(done.read_text())
-    return out if out.pop("sft") == _sft_settings(cfg) else None
+    return out if out.pop("sft", None) == _sft_settings(cfg) else None
 
 
 def _sft_settings(cfg) -> dict:

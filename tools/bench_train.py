@@ -11,8 +11,8 @@ What is timed (per configuration: layer implementation x tokens per micro-batch)
   grad reduction, distributed Adam step) with `megarl.trainer.ppo.actor_loss_fn` (DAPO settings:
   clipped surrogate with clip-higher 0.28, token-mean, entropy computed without gradient) on a
   `StepBatch` of random tokens: sequences of `--sample-len` tokens (10% prompt, 90% response),
-  `seq // sample_len` of them per micro-batch. Local spec: rows of `--sample-len` tokens with
-  block-causal masks (`pack_row_tokens`); TE spec: one THD row per micro-batch.
+  `seq // sample_len` of them per micro-batch, packed in one THD row (local spec: megarl's
+  blockwise attention, megarl.models.attention; TE spec: TE's fused attention).
 - `logprob`: the old-log-prob pass (`TrainModel.forward_only` via `ppo.compute_log_probs`).
 Each is run `--warmup` times, then timed over `--steps` runs (CUDA synchronised).
 
@@ -216,8 +216,7 @@ def bench_one(args, impl: str, seq: int, peak: float | None) -> Row:
     cfg = hf_config(args.shape, sample_len)
     rl = rl_config(sample_len)
     te = impl == "te"
-    optim = OptimConfig(lr=1e-6, max_tokens_per_microbatch=seq, use_distributed_optimizer=True,
-                        pack_row_tokens=None if te else sample_len)
+    optim = OptimConfig(lr=1e-6, max_tokens_per_microbatch=seq, use_distributed_optimizer=True)
     model = TrainModel(cfg, optim, dtype="bf16" if cuda else "fp32",
                        impl="transformer_engine" if te else "local", total_steps=1, seed=0,
                        model_options=model_options(args.recompute))

@@ -29,10 +29,9 @@ Checks, in order (names for --only / --skip):
                 Skipped when sglang is not importable or there is no CUDA.
   fp8           TrainModel with model_options fp8="hybrid" (delayed recipe), TE THD path, bf16
                 params: forward_only vs HF and a train_step, as train_te. Needs TE, CUDA, sm >= 89.
-  cp2           context parallelism 2 (TE, bf16): GPTModel on this rank's two chunks of a sequence
-                (megatron.core.utils.get_batch_on_this_cp_rank) gives the CP=1 logits, backward
-                finite. (The trainer does not split batches over CP ranks yet; parallel.cp > 1 is
-                refused at config load.) Needs TE, CUDA and an even world size.
+  cp2           context parallelism 2 (bf16, NCCL) through the trainer's packed path, megarl's local
+                attention and TE's CP when importable: packed_forward of variable-length sequences
+                at CP=2 equals CP=1; a TrainModel step at CP=2 is finite. Needs an even world size.
 
 Tolerances (--tol-*) are for this tiny random model, whose logits have std ~1.7: bf16 alone
 moves its log-probs by ~0.03 on average; a real bug (wrong weights, RoPE, masking) by ~1 or more.
@@ -254,7 +253,7 @@ def megatron_model(ctx: Ctx, impl: str, dtype: str = "fp32", overrides: dict | N
 #   logp = model.forward_only(batch, fn)       # fn(mb, output) -> [n, T_mb]; returns [B, T] fp32 CPU
 #   metrics = model.train_step(batch, loss_fn) # loss_fn(mb, output) -> (scalar, {name: 0-dim})
 # where mb is a MicroBatch: mb.data (its rows of the batch, on the device), mb.targets (next
-# token at every packed position) and mb.gather(per_position) -> [n, T_mb].
+# token at every packed position) and mb.log_probs(logits) -> [n, T_mb] (chunked, CP-summed).
 
 def make_batch(trajs):
     from megarl.trainer.batch import StepBatch
@@ -264,9 +263,7 @@ def make_batch(trajs):
 
 def token_logprobs(mb, output):
     """[n, T_mb] log-probs of the micro-batch's response tokens (vocab-parallel, fp32)."""
-    from megarl.trainer import vocab_parallel
-
-    return mb.gather(vocab_parallel.token_log_probs(output, mb.targets))
+    return mb.log_probs(output)
 
 
 def forward_logprobs(model, batch):
@@ -294,7 +291,7 @@ def optim_config(lr: float = 1e-3, max_tokens: int = 48):
     from megarl.config.schema import OptimConfig
 
     return OptimConfig(lr=lr, weight_decay=0.0, clip_grad=1.0, max_tokens_per_microbatch=max_tokens,
-                       pack_row_tokens=None, use_distributed_optimizer=True)
+                       use_distributed_optimizer=True)
 
 
 def train_model(ctx: Ctx, impl: str, dtype: str, lr: float = 1e-3, model_options: dict | None = None):
@@ -698,55 +695,43 @@ def check_fp8(ctx: Ctx) -> str:
 
 
 def check_cp2(ctx: Ctx) -> str:
-    """Item 7b: context parallelism 2 (TE, bf16).
-
-    (a) megatron + TE alone: GPTModel at CP=2 on this rank's two chunks of a 128-token sequence
-        (`megatron.core.utils.get_batch_on_this_cp_rank`) gives the CP=1 logits of those chunks,
-        and backward is finite;
-    The trainer itself does not split batches over CP ranks yet (`parallel.cp > 1` fails at config
-    load), so only megatron + TE's own CP is checked here.
-    """
+    """Item 7b: context parallelism 2 through the trainer's packed path (NCCL, bf16): for megarl's
+    local attention and, when importable, TE's CP, `packed_forward` at CP=2 of variable-length
+    sequences (lengths not multiples of 4) gives the CP=1 logits; a TrainModel step is finite."""
     ctx.need_dist()
-    ctx.need_te()
     if ctx.world % 2:
         raise Skip(f"CP=2 needs an even world size (world {ctx.world})")
     import torch
-    from megatron.core.utils import get_batch_on_this_cp_rank
 
-    from megarl.models.builder import unwrap
+    from megarl.models.builder import te_available
+    from megarl.models.forward import packed_forward
     from megarl.parallel.distributed import ParallelSizes, init_distributed
 
     tol = ctx.args.tol_cp
-    ids = probe_ids(batch=1, seq=128).to(_device())
-    pos = torch.arange(ids.shape[1], device=ids.device)[None]
-    V = hf_config(ctx).vocab_size
-    try:
-        ref_model = unwrap(megatron_model(ctx, "transformer_engine", "bf16")[0]).eval()
-        with torch.no_grad():
-            ref = ref_model(ids, pos, None).float()  # [1, s, V_padded]
-        del ref_model
-        _free_memory()
-        init_distributed(ParallelSizes(cp=2), seed=1234, timeout_minutes=ctx.args.timeout_minutes)
-        model = unwrap(megatron_model(ctx, "transformer_engine", "bf16")[0])
-        local = get_batch_on_this_cp_rank({"tokens": ids.clone(), "position_ids": pos.clone(),
-                                           "ref": ref.clone(), "labels": torch.roll(ids, -1, dims=1)})
-        model.eval()
-        with torch.no_grad():
-            out = model(local["tokens"], local["position_ids"], None).float()
-        d = (out[..., :V] - local["ref"][..., :V]).abs()
-        raw_mean, raw_max = float(d.mean()), float(d.max())
-        model.train()
-        loss = model(local["tokens"], local["position_ids"], None, labels=local["labels"]).float().mean()
-        loss.backward()
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        finite = bool(torch.isfinite(loss)) and bool(grads) and all(bool(torch.isfinite(g).all()) for g in grads)
-        del model
-        _free_memory()
-    finally:
-        init_distributed(ParallelSizes(), seed=1234, timeout_minutes=ctx.args.timeout_minutes)
-    detail = (f"GPTModel TE bf16, 128 tokens in 4 chunks: |CP=2 - CP=1 logits| mean {_fmt(raw_mean)} "
-              f"max {_fmt(raw_max)}, backward finite {finite} (tol mean {tol}); the trainer's CP is not built yet")
-    if not (raw_mean < tol and finite):
+    seqs = [probe_ids(batch=1, seq=n, seed=n)[0] for n in (37, 128, 5)]
+    details, ok = [], True
+    for impl in ["local"] + (["transformer_engine"] if te_available() else []):
+        try:
+            with torch.no_grad():
+                ref = [o.float().cpu() for o in packed_forward(megatron_model(ctx, impl, "bf16"), seqs)]
+            _free_memory()
+            init_distributed(ParallelSizes(cp=2), seed=1234, timeout_minutes=ctx.args.timeout_minutes)
+            with torch.no_grad():
+                out = [o.float().cpu() for o in packed_forward(megatron_model(ctx, impl, "bf16"), seqs)]
+            d = torch.cat([(o - r).abs().reshape(-1) for o, r in zip(out, ref)])
+            model = train_model(ctx, impl, "bf16")
+            batch = make_batch(trajectories())
+            metrics = model.train_step(batch, nll_loss_fn(float(batch.response_mask.sum())))
+            finite = all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
+            del model
+            _free_memory()
+        finally:
+            init_distributed(ParallelSizes(), seed=1234, timeout_minutes=ctx.args.timeout_minutes)
+        ok = ok and float(d.mean()) < tol and finite
+        details.append(f"{impl}: |CP=2 - CP=1 logits| mean {_fmt(float(d.mean()))} max {_fmt(float(d.max()))}, "
+                       f"train step finite {finite}")
+    detail = "; ".join(details) + f" (tol mean {tol})"
+    if not ok:
         raise CheckFailed(detail)
     return detail
 

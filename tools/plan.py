@@ -11,22 +11,8 @@ over TP; norms replicated; the largest stage is reported):
   grads      2 * P_gpu (megatron DDP grad buffer in the param dtype)         actor, critic
   optimizer  12 * P_gpu / (DP * CP) with the distributed optimizer (fp32 master + Adam m, v),
              12 * P_gpu without it                                           actor, critic
-  activations, per micro-batch of s = max_tokens_per_microbatch / CP tokens per GPU, following
-  the accounting of Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
-  Transformer Models" (Eq. 1-4: 34*s*h + 5*a*s^2 bytes per layer for GPT, i.e. 10*s*h replicated
-  + 24*s*h TP-sharded + 5*a*s^2 attention scores; all TP-sharded with sequence parallelism),
-  generalised to GQA and gated MLPs and with dropout masks dropped (Qwen uses dropout 0):
-      per token and layer   R = 8h             (2 norm inputs, QKV input, FC1 input; bf16)
-                            S = 4*a*d + 4*g*d  (Q and attention output; K and V)
-                              + 6*f            (gated FC1 output 2f, FC2 input f; bf16)
-                              + C              (core attention: 5*a*s for unfused attention as in
-                                                Korthikanti, 4*a (fp32 log-sum-exp) for flash
-                                                attention, 0 with selective recompute)
-      bytes = s * (R + S/TP) without SP, s * (R + S)/TP with SP.
-      full recompute keeps only each chunk's input (2h per token, /TP with SP) plus one chunk
-      being recomputed; 1F1B keeps PP micro-batches in flight on the first stage
-      (PP * (1 + (PP-1)/(PP*VPP)) with interleaving); the last stage adds the logits:
-      s * V/TP * 10 bytes (bf16 logits + fp32 copy in the cross entropy + fp32 gradient).
+  activations, CP K/V exchange, attention workspace and logits of the model being trained: see
+             tools/plan_activations.py (per micro-batch of max_tokens_per_microbatch / CP tokens per GPU).
   rollout    the engine reserves rollout.mem_fraction of the GPU for its weights
              (2 * P_total / rollout_tp) and KV cache (2 * layers * kv_heads * head_dim * 2 bytes
              per token, / rollout_tp); colocated, the training state is offloaded during rollout
@@ -36,6 +22,8 @@ Phases: rollout = resident training state + engine share + reserve;
         train   = all resident model states + the larger of actor / critic activations + reserve
         (with offload_optimizer a model's optimizer state comes back only for its own step, when no
         activations are held).
+The GPU is --gpu (default h100; capacities as nvidia-smi reports them: GPUS). A phase over capacity
+is reported with its terms; the train phase names its largest term and the settings that shrink it.
 
 Time model (stated assumptions: --avg-prompt-len, --avg-response-len, --mfu, --decode-eff):
   training FLOPs = 6*N*T per epoch for actor and critic, 2*N*T per forward-only pass (old
@@ -59,7 +47,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+TOOLS = os.path.dirname(os.path.abspath(__file__))
+if TOOLS not in sys.path:
+    sys.path.insert(0, TOOLS)
+
 from megarl.config import ConfigError, MegaRLConfig, load_config, validate_model, validate_world  # noqa: E402
+from plan_activations import (  # noqa: E402,F401  (the memory model's parts, re-exported for tests)
+    activation_bytes, activation_bytes_per_token_layer, attention_workspace_bytes, cp_kv_exchange_bytes,
+    logits_bytes, train_overflow_message)
 
 GIB = 1024**3
 
@@ -165,46 +160,6 @@ def load_arch(cfg: MegaRLConfig, model_json: str | None = None) -> tuple[Arch, d
 # ----------------------------------------------------------------------------- memory
 
 
-def activation_bytes_per_token_layer(arch: Arch, cfg: MegaRLConfig, seq_len: int) -> float:
-    """Bytes kept per token per layer for backward (see module doc; Korthikanti et al. 2022)."""
-    m, tp = cfg.model, cfg.parallel.tp
-    h, a, g, d, f = arch.hidden, arch.heads, arch.kv_heads, arch.head_dim, arch.ffn
-    flash = m.transformer_impl != "local" and m.attention_backend not in ("unfused", "local")
-    if m.recompute == "selective":
-        core = 0.0
-    elif flash:
-        core = 4.0 * a
-    else:
-        core = 5.0 * a * seq_len
-    replicated = 8.0 * h
-    sharded = 4.0 * a * d + 4.0 * g * d + 6.0 * f + core
-    if m.sequence_parallel:
-        return (replicated + sharded) / tp
-    return replicated + sharded / tp
-
-
-def activation_bytes(arch: Arch, cfg: MegaRLConfig, role: str) -> dict[str, float]:
-    """Peak activation bytes on one GPU while training ``role`` (actor | critic)."""
-    p, m = cfg.parallel, cfg.model
-    budget = getattr(cfg, role).max_tokens_per_microbatch
-    s = budget / p.cp
-    seq_len = min(budget, cfg.data.max_prompt_len + cfg.rollout.max_new_tokens) / p.cp
-    per_layer = s * activation_bytes_per_token_layer(arch, cfg, seq_len)
-    layers = math.ceil(arch.layers / p.pp)
-    if m.recompute == "full":
-        chunk_input = s * 2.0 * arch.hidden / (p.tp if m.sequence_parallel else 1)
-        k = min(m.recompute_num_layers, layers)
-        if m.recompute_method == "uniform":
-            stored = math.ceil(layers / k) * chunk_input + k * per_layer
-        else:  # block: the first k layers of the stage are recomputed, the rest keep activations
-            stored = k * chunk_input + (layers - k) * per_layer + (per_layer if k else 0)
-    else:
-        stored = layers * per_layer
-    inflight = p.pp * (1 + (p.pp - 1) / (p.pp * p.vpp)) if p.vpp else p.pp
-    logits = 0.0 if role == "critic" else s * arch.vocab / p.tp * 10.0
-    return {"layers": stored * inflight, "logits": logits, "total": stored * inflight + logits}
-
-
 @dataclass
 class ModelState:
     role: str
@@ -303,10 +258,7 @@ def plan(cfg: MegaRLConfig, arch: Arch, hf: dict, gpu: GPU, reserve_gib: float =
     step = max(resident - s.resident + s.at_step for s in states)  # one model's optimizer step at a time
     train_peak = max(fwd_bwd, step) + reserve
     if train_peak > cap:
-        worst = max(acts, key=lambda k: acts[k]["total"])
-        problems.append(f"train phase needs {train_peak / GIB:.1f} GiB > {cap / GIB:.1f} GiB (states "
-                        f"{sum(s.resident for s in states) / GIB:.1f}, {worst} activations {acts[worst]['total'] / GIB:.1f}); "
-                        "use recompute, sequence parallel, more TP/PP/CP, a smaller token budget or more nodes")
+        problems.append(train_overflow_message(cfg, states, acts, train_peak, step > fwd_bwd, cap, reserve))
 
     out = Plan(gpu, world, dp, arch.total_params(), states, acts, engine_share, engine_weights, kv_pool,
                kv_tokens, rollout_peak, train_peak, reserve, problems)
@@ -378,8 +330,11 @@ def format_plan(cfg: MegaRLConfig, pl: Plan, arch_src: str) -> str:
         lines.append(f"  {s.role:<9} params/GPU {s.params_gpu / 1e9:6.2f}B  weights {g(s.weights)}  grads {g(s.grads)}  "
                      f"optimizer {g(s.optimizer)}{' (offloaded)' if s.offload_optimizer else ''}")
     for role, a in pl.activations.items():
-        lines.append(f"  {role:<9} activations {g(a['total'])} (layers {g(a['layers'])}, logits {g(a['logits'])}) "
-                     f"at {getattr(cfg, role).max_tokens_per_microbatch} tokens/micro-batch")
+        budget = getattr(cfg, role).max_tokens_per_microbatch
+        kv_mib = a["kv_exchange"] / 2**20
+        lines.append(f"  {role:<9} activations {g(a['total'])} (layers {g(a['layers'])}, CP K/V {kv_mib:,.0f} MiB, "
+                     f"attention workspace {g(a['workspace'])}, logits {g(a['logits'])}) at {budget} tokens/micro-batch "
+                     f"= {budget // p.cp} per GPU")
     lines += [
         f"  engine    share {g(pl.engine_share)} (weights {g(pl.engine_weights)}, KV pool {g(max(pl.kv_pool, 0))} "
         f"= {pl.kv_tokens:,.0f} tokens)",

@@ -4,6 +4,7 @@ No torch.distributed, no megatron. Shapes: B sequences x T response tokens, `mas
 tokens that count. Normalisation that must be global takes explicit `global_tokens`/`global_seqs`.
 Registries map config names to functions: ADVANTAGES, POLICY_LOSSES, LOSS_AGGS, KL_PENALTIES
 (`objectives.py`: GSPO, CISPO, SAPO, Clip-/KL-Cov, GMPO, GPG losses; ReMax, OPO, GPG estimators).
+`offpolicy.py`: rollout importance sampling (TIS / MIS); `tppo.py`: T-PPO token filtering.
 """
 
 from . import objectives  # registers gspo, cispo, sapo, ... and remax, opo, gpg
@@ -30,6 +31,7 @@ from .masked import (
     stats_from_moments,
 )
 from .objectives import gpg_advantages, opo_advantages, token_covariance
+from .offpolicy import rollout_is_metrics, rollout_is_weights, rollout_ratio
 from .outcome import (
     broadcast_to_tokens,
     group_ids,
@@ -42,6 +44,7 @@ from .pairwise_pag import pag_turn_layout, pag_turn_rewards, pairwise_advantages
 from .registry import ADVANTAGES, KL_PENALTIES, LOSS_AGGS, POLICY_LOSSES, Registry
 from .scan import reverse_linear_scan
 from .shaping import dynamic_sampling_keep, dynamic_sampling_sample_mask, overlong_filter_mask, overlong_penalty
+from .tppo import staleness, staleness_histogram, tppo_masks, window_mask
 
 __all__ = [
     "ADVANTAGES",
@@ -92,8 +95,15 @@ __all__ = [
     "reinforce_pp_advantages",
     "reverse_linear_scan",
     "rloo_advantages",
+    "rollout_is_metrics",
+    "rollout_is_weights",
+    "rollout_ratio",
+    "staleness",
+    "staleness_histogram",
     "stats_from_moments",
     "token_covariance",
+    "tppo_masks",
     "value_loss",
     "vanilla_pg_loss",
+    "window_mask",
 ]

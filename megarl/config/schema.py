@@ -61,19 +61,31 @@ class ModelConfig:
     recompute_method: Literal["uniform", "block"] = doc_field("uniform", "megatron recompute_method for full recompute")
     recompute_num_layers: int = doc_field(1, "layers per recompute chunk (uniform) or recomputed layers per stage (block)")
     sequence_parallel: bool = doc_field(False, "megatron sequence parallelism (needs parallel.tp > 1)")
+    cp_comm_type: Literal["p2p", "a2a", "allgather", "a2a+p2p"] = doc_field(
+        "p2p", "Transformer Engine's context-parallel K/V exchange (ring p2p, all-to-all, all-gather); megarl's "
+        "local attention always all-gathers K/V"
+    )
+    logprob_chunk_tokens: int = doc_field(
+        4096, "log-probs / entropy / values are computed over this many response tokens at a time (with "
+        "gradients, each chunk is recomputed in the backward): float32 logits memory is chunk x vocab/tp"
+    )
 
 
 @dataclass
 class ParallelConfig:
     tp: int = doc_field(1, "tensor-parallel size of the trained models")
     pp: int = doc_field(1, "pipeline-parallel size")
-    cp: int = doc_field(1, "context-parallel size (needs Transformer Engine)")
+    cp: int = doc_field(1, "context-parallel size: every sequence split in 2*cp load-balanced chunks (megarl local attention or TE)")
     ep: int = doc_field(1, "expert-parallel size (MoE models only)")
     vpp: int | None = doc_field(None, "virtual pipeline stages per rank (interleaved 1F1B); needs pp > 1")
     etp: int | None = doc_field(None, "expert tensor-parallel size; null = tp")
     rollout_tp: int = doc_field(1, "tensor-parallel size of each rollout engine instance")
     nodes: int = doc_field(1, "nodes in the job (launchers and planner; world = nodes * gpus_per_node on GPU)")
     gpus_per_node: int = doc_field(8, "GPUs per node (launchers and planner)")
+    collective_timeout_s: float = doc_field(
+        1800.0, "a collective waiting longer than this for another rank fails (lost rank / hung peer): the job "
+        "ends with an error naming the phase, so a scheduler can requeue it with trainer.resume=true"
+    )
 
 
 @dataclass
@@ -112,6 +124,17 @@ class RolloutConfig:
     )
     weight_bucket_mb: int = doc_field(512, "bucket size for streaming weights into the engine (MiB)")
     mem_fraction: float = doc_field(0.6, "GPU memory fraction the engine reserves for weights + KV cache (SGLang mem_fraction_static)")
+    kv_cache_gb: float | None = doc_field(
+        None, "builtin engine: refuse a generate call whose KV cache (layers * 2 * batch * (prompt + max_new) * "
+        "kv_heads * head_dim * dtype bytes) exceeds this many GiB; null = no limit (reported as rollout/kv_cache_gb)"
+    )
+    sglang_context_length: int | None = doc_field(
+        None, "SGLang context_length (prompt + response tokens per request); null = data.max_prompt_len + the "
+        "larger of rollout.max_new_tokens and eval.max_new_tokens"
+    )
+    sglang_chunked_prefill_size: int | None = doc_field(
+        None, "SGLang chunked_prefill_size (prefill tokens per forward; -1 = no chunking); null = SGLang's default"
+    )
     offload_train_state: bool = doc_field(
         True, "colocated: move actor/critic/ref weights, grads and optimizer state off the GPU during rollout"
     )
@@ -120,6 +143,18 @@ class RolloutConfig:
     carry_over_groups: bool = doc_field(
         False, "dynamic sampling: keep accepted groups beyond prompts_per_step for the next step (checkpointed); "
         "false = truncate to the batch and drop them (verl recipe/dapo)"
+    )
+    window_tokens: int | None = doc_field(
+        None, "T-PPO successive batching: each step generates at most this many new tokens for every active sample; "
+        "unfinished samples carry over to the next step, freed slots take new prompts; null = whole responses"
+    )
+    max_staleness: int | None = doc_field(
+        None, "T-PPO: a carried sample whose first window is more than this many policy versions old is handled by "
+        "rollout.stale_action before it continues; null = no cap"
+    )
+    stale_action: Literal["restart", "drop"] = doc_field(
+        "restart", "T-PPO: a sample over rollout.max_staleness restarts its response under the current policy "
+        "(keeping its slot), or is dropped (its slot takes a new prompt)"
     )
 
 
@@ -184,6 +219,15 @@ class AlgorithmConfig:
     overlong_cache_len: int = doc_field(4096, "L_cache of the soft overlong punishment")
     overlong_factor: float = doc_field(1.0, "scale of the soft overlong punishment")
     overlong_filter: bool = doc_field(False, "mask out truncated samples from the loss")
+    rollout_is: Literal["tis", "mis"] | None = doc_field(
+        None, "off-policy correction with rho = exp(trainer old log-prob - rollout log-prob) per policy token: tis "
+        "(weight min(rho, C)), mis (tokens with rho > C leave the policy loss, the rest weighted by rho); null = off"
+    )
+    rollout_is_cap: float = doc_field(2.0, "C of algorithm.rollout_is: the TIS weight cap / the MIS ratio threshold (>= 1)")
+    retrain_earlier_windows: bool = doc_field(
+        False, "T-PPO: the policy loss also covers the earlier windows of a continuing response (not stated in the "
+        "paper); false = only the tokens of the current window"
+    )
     value_pretrain_steps: int = doc_field(0, "critic-only warm-up steps before policy updates (VAPO 50)")
     ppo_epochs: int = doc_field(1, "passes over each rollout batch")
     mini_batch_size: int = doc_field(512, "samples per optimizer step")
@@ -203,10 +247,6 @@ class OptimConfig:
     clip_grad: float = doc_field(1.0, "global gradient-norm clip; 0 = off")
     max_tokens_per_microbatch: int = doc_field(
         32768, "token budget of one packed micro-batch per DP rank (split over CP ranks); a sample never spans two"
-    )
-    pack_row_tokens: int | None = doc_field(
-        None, "local (non-TE) attention: pack sequences into rows of at most this many tokens (its cost grows "
-        "with the row length squared); null = one packed row per micro-batch (TE THD path)"
     )
     use_distributed_optimizer: bool = doc_field(True, "shard fp32 master weights and Adam states over DP (x CP)")
     offload_optimizer: bool = doc_field(False, "Adam state and update on the CPU (megatron HybridDeviceOptimizer; GPU runs only)")
@@ -229,6 +269,10 @@ class TrainerConfig:
     eval_interval: int = doc_field(50, "evaluate every N steps (0 = never)")
     log_interval: int = doc_field(1, "log metrics every N steps")
     resume: bool = doc_field(False, "resume from the latest checkpoint in run_dir (a fresh start when there is none)")
+    async_save: bool = doc_field(
+        False, "write checkpoints in background processes (megatron dist_checkpointing async save) while training "
+        "goes on; `latest` moves only after every rank's files are finalised"
+    )
     tensorboard: bool = doc_field(True, "write TensorBoard event files under run_dir/tb")
     val_before_train: bool = doc_field(False, "evaluate once before the first step")
 

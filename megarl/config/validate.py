@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from megarl.algorithms.registry import ADVANTAGES, POLICY_LOSSES
+from megarl.algorithms.offpolicy import WEIGHTABLE_LOSSES
 from megarl.config.loader import ConfigError
 from megarl.config.schema import MegaRLConfig
 from megarl.plugins import is_dotted_path
@@ -59,8 +60,7 @@ def validate_config(cfg: MegaRLConfig, where: Callable[[str], str] | None = None
             "local spec falls back to torch LayerNorm without apex, which does not support sequence parallelism")
     e.check(m.fp8 is None or m.transformer_impl != "local", "model.fp8", "FP8 needs model.transformer_impl transformer_engine or auto")
     e.check(m.fp8 is None or m.dtype == "bf16", "model.fp8", f"FP8 training runs on bf16 parameters (model.dtype={m.dtype})")
-    e.check(p.cp == 1, "parallel.cp", f"context parallelism is not implemented in the trainer yet (nothing splits "
-            f"the batch over CP ranks); set parallel.cp=1 (got {p.cp})")
+    e.check(m.logprob_chunk_tokens >= 1, "model.logprob_chunk_tokens", f"must be >= 1, got {m.logprob_chunk_tokens}")
     e.check(m.recompute_num_layers >= 1, "model.recompute_num_layers", f"must be >= 1, got {m.recompute_num_layers}")
 
     e.check(d.max_prompt_len >= 1, "data.max_prompt_len", f"must be >= 1, got {d.max_prompt_len}")
@@ -79,6 +79,15 @@ def validate_config(cfg: MegaRLConfig, where: Callable[[str], str] | None = None
     gen = r.gen_batch_prompts
     e.check(gen is None or gen >= r.prompts_per_step, "rollout.gen_batch_prompts", f"must be >= rollout.prompts_per_step ({r.prompts_per_step}), got {gen}")
     e.check(r.max_gen_batches >= 1, "rollout.max_gen_batches", f"must be >= 1, got {r.max_gen_batches}")
+    _check_windows(e, cfg)
+    e.check(r.kv_cache_gb is None or r.kv_cache_gb > 0, "rollout.kv_cache_gb", f"must be > 0 or null, got {r.kv_cache_gb}")
+    ctx_len = r.sglang_context_length
+    e.check(ctx_len is None or ctx_len >= d.max_prompt_len + r.max_new_tokens, "rollout.sglang_context_length",
+            f"must hold the longest sequence data.max_prompt_len + rollout.max_new_tokens = "
+            f"{d.max_prompt_len + r.max_new_tokens} (a shorter context cuts responses early), or be null; got {ctx_len}")
+    chunk = r.sglang_chunked_prefill_size
+    e.check(chunk is None or chunk == -1 or chunk >= 1, "rollout.sglang_chunked_prefill_size",
+            f"must be >= 1, -1 (no chunking) or null, got {chunk}")
 
     e.check(a.clip_low >= 0 and a.clip_low < 1, "algorithm.clip_low", f"must be in [0, 1), got {a.clip_low}")
     e.check(a.clip_high >= 0, "algorithm.clip_high", f"must be >= 0, got {a.clip_high}")
@@ -157,6 +166,7 @@ def validate_config(cfg: MegaRLConfig, where: Callable[[str], str] | None = None
     e.check(t.keep_last is None or t.keep_last >= 1, "trainer.keep_last", f"must be >= 1 or null, got {t.keep_last}")
     e.check(t.eval_interval >= 0, "trainer.eval_interval", f"must be >= 0, got {t.eval_interval}")
     e.check(t.log_interval >= 1, "trainer.log_interval", f"must be >= 1, got {t.log_interval}")
+    e.check(p.collective_timeout_s > 0, "parallel.collective_timeout_s", f"must be > 0 seconds, got {p.collective_timeout_s}")
     ev = cfg.eval
     e.check(ev.n_samples >= 1, "eval.n_samples", f"must be >= 1, got {ev.n_samples}")
     e.check(ev.temperature >= 0, "eval.temperature", f"must be >= 0 (0 = greedy), got {ev.temperature}")
@@ -167,6 +177,28 @@ def validate_config(cfg: MegaRLConfig, where: Callable[[str], str] | None = None
         e.check(getattr(s, name) >= 1, f"sft.{name}", f"must be >= 1, got {getattr(s, name)}")
     e.check(s.lr > 0, "sft.lr", f"must be > 0, got {s.lr}")
     e.raise_if_any()
+
+
+def _check_windows(e: _Errors, cfg: MegaRLConfig) -> None:
+    """T-PPO successive batching (rollout.window_tokens) and the rollout IS correction."""
+    r, a = cfg.rollout, cfg.algorithm
+    w = r.window_tokens
+    e.check(w is None or 1 <= w < r.max_new_tokens, "rollout.window_tokens",
+            f"must be in [1, rollout.max_new_tokens={r.max_new_tokens}) or null, got {w}")
+    e.check(w is None or a.advantage == "egae" or (is_dotted_path(a.advantage) and cfg.critic.enable),
+            "rollout.window_tokens", f"unfinished samples have no reward yet: windows need algorithm.advantage=egae "
+            f"(a critic bootstraps them), got {a.advantage!r}")
+    e.check(w is None or not a.dynamic_sampling, "rollout.window_tokens", "does not combine with algorithm.dynamic_sampling")
+    e.check(w is None or r.function is None, "rollout.window_tokens", "does not combine with a custom rollout.function")
+    e.check(w is None or not r.fire, "rollout.window_tokens", "does not combine with rollout.fire: windowed "
+            "responses start through the engine's continuation call, which samples no FIRE first token")
+    e.check(a.name != "tppo" or w is not None, "algorithm.name", "tppo needs rollout.window_tokens (T-PPO's windows)")
+    e.check(r.max_staleness is None or (r.max_staleness >= 1 and w is not None), "rollout.max_staleness",
+            f"must be >= 1 (a carried sample is always 1 version old) and needs rollout.window_tokens, got {r.max_staleness}")
+    e.check(a.rollout_is_cap >= 1, "algorithm.rollout_is_cap", f"must be >= 1, got {a.rollout_is_cap}")
+    e.check(a.rollout_is is None or a.policy_loss in WEIGHTABLE_LOSSES, "algorithm.rollout_is",
+            f"weights the per-token policy-gradient term, which policy_loss={a.policy_loss!r} does not have: "
+            f"use one of {WEIGHTABLE_LOSSES}")
 
 
 def data_parallel_size(cfg: MegaRLConfig, world_size: int) -> int:
@@ -229,4 +261,7 @@ def validate_model(cfg: MegaRLConfig, hf_config: Any) -> None:
     if p.ep > 1:
         e.check(bool(experts), "parallel.ep", f"ep={p.ep} needs an MoE model (no num_experts in the HF config)")
         e.check(not experts or experts % p.ep == 0, "parallel.ep", f"num_experts={experts} is not divisible by ep={p.ep}")
+    # megatron's MoE layer refuses to train at TP > 1 without sequence parallelism
+    e.check(not experts or p.tp == 1 or cfg.model.sequence_parallel, "model.sequence_parallel",
+            f"an MoE model (num_experts={experts}) at parallel.tp={p.tp} trains only with sequence parallelism")
     e.raise_if_any()

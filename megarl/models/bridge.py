@@ -11,6 +11,12 @@ Each megatron parameter maps to one or more HF tensors with a TP layout:
 |            | [q (H/G*d rows), k (d rows), v (d rows)]              |                             |
 | fc1        | [gate rows r*F/tp.., ; up rows r*F/tp..]              | gate_proj, up_proj          |
 
+MoE layers (`ArchSpec.num_experts > 0`): the router (`mlp.router.weight` <-> `mlp.gate.weight`)
+and the shared-expert gate are replicated, the shared expert is an fc1/row MLP over TP, and each
+local expert i of expert-parallel rank e (of ep) is HF expert g = e * (E/ep) + i, with its fc1/row
+shards taken over the expert-tensor-parallel group (`ParamMap.expert`; `expert_hf_names` lists
+the HF names of the same local slot on every EP rank, the order the weight stream gathers them).
+
 Norm names of both layer specs are accepted: local (`input_layernorm`, `pre_mlp_layernorm`) and
 TE, which fuses them into `linear_qkv.layer_norm_weight` / `linear_fc1.layer_norm_weight`.
 Layer indices are global: megatron's own `TransformerLayer.layer_number - 1` (PP/VPP offset).
@@ -42,8 +48,18 @@ _LAYER_RULES: dict[str, tuple[tuple[str, ...], str]] = {
     "mlp.linear_fc1.layer_norm_weight": (("post_attention_layernorm.weight",), "replicated"),
     "mlp.linear_fc1.weight": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), "fc1"),
     "mlp.linear_fc2.weight": (("mlp.down_proj.weight",), "row"),
+    "mlp.router.weight": (("mlp.gate.weight",), "replicated"),
+    "mlp.shared_experts.gate_weight": (("mlp.shared_expert_gate.weight",), "replicated"),
+    "mlp.shared_experts.linear_fc1.weight": (
+        ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"), "fc1"),
+    "mlp.shared_experts.linear_fc2.weight": (("mlp.shared_expert.down_proj.weight",), "row"),
+}
+_EXPERT_RULES: dict[str, tuple[tuple[str, ...], str]] = {
+    "linear_fc1.weight": (("gate_proj.weight", "up_proj.weight"), "fc1"),
+    "linear_fc2.weight": (("down_proj.weight",), "row"),
 }
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 VALUE_HEAD_HF_NAME = "score.weight"
 
 
@@ -56,6 +72,22 @@ class ParamMap:
     layout: str
     export: bool = True  # False: a copy of another exported tensor (tied output layer on last PP stage)
     optional: bool = False  # may be absent from an HF checkpoint (value head of a fresh critic)
+    expert: int | None = None  # local expert slot: sharded over expert-TP, one expert per EP rank
+
+
+def _ep() -> tuple[int, int]:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
+
+
+def expert_hf_names(pm: ParamMap, spec: ArchSpec, ep: int) -> tuple[str, ...]:
+    """HF names of local expert slot `pm.expert` on EP ranks 0..ep-1 (rank-major)."""
+    local = spec.num_experts // ep
+    layer = re.match(r"^model\.layers\.(\d+)\.", pm.hf_names[0]).group(1)
+    suffixes, _ = _EXPERT_RULES[pm.megatron_name.rsplit(".mlp.experts.local_experts.", 1)[1].split(".", 1)[1]]
+    return tuple(f"model.layers.{layer}.mlp.experts.{r * local + pm.expert}.{s}"
+                 for r in range(ep) for s in suffixes)
 
 
 def map_param(name: str, model, spec: ArchSpec) -> ParamMap:
@@ -77,6 +109,15 @@ def map_param(name: str, model, spec: ArchSpec) -> ParamMap:
         layer = model.decoder.layers[int(m.group(1))].layer_number - 1
         suffixes, layout = _LAYER_RULES[m.group(2)]
         return ParamMap(name, tuple(f"model.layers.{layer}.{s}" for s in suffixes), layout)
+    e = _EXPERT_RE.match(m.group(2)) if m else None
+    if e and e.group(2) in _EXPERT_RULES:
+        layer = model.decoder.layers[int(m.group(1))].layer_number - 1
+        ep, ep_rank = _ep()
+        slot = int(e.group(1))
+        g = ep_rank * (spec.num_experts // ep) + slot
+        suffixes, layout = _EXPERT_RULES[e.group(2)]
+        return ParamMap(name, tuple(f"model.layers.{layer}.mlp.experts.{g}.{s}" for s in suffixes), layout,
+                        expert=slot)
     raise KeyError(f"no HF mapping for megatron parameter {name!r} (model_type={spec.model_type!r})")
 
 
@@ -105,6 +146,17 @@ def expected_hf_shapes(spec: ArchSpec, value_head: bool = False) -> dict[str, tu
                       "self_attn.v_proj.bias": (kv,)})
     if spec.qk_layernorm:
         layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
+    if spec.num_experts:
+        for k in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"):
+            del layer[k]
+        fe, fs = spec.moe_ffn_hidden_size, spec.shared_expert_ffn_hidden_size
+        layer["mlp.gate.weight"] = (spec.num_experts, h)
+        for g in range(spec.num_experts):
+            layer.update({f"mlp.experts.{g}.gate_proj.weight": (fe, h), f"mlp.experts.{g}.up_proj.weight": (fe, h),
+                          f"mlp.experts.{g}.down_proj.weight": (h, fe)})
+        if fs:
+            layer.update({"mlp.shared_expert.gate_proj.weight": (fs, h), "mlp.shared_expert.up_proj.weight": (fs, h),
+                          "mlp.shared_expert.down_proj.weight": (h, fs), "mlp.shared_expert_gate.weight": (1, h)})
     for i in range(spec.num_layers):
         shapes.update({f"model.layers.{i}.{k}": v for k, v in layer.items()})
     return shapes
@@ -197,3 +249,12 @@ def merge_shards(pm: ParamMap, shards: list[torch.Tensor], spec: ArchSpec) -> li
         return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
     raise ValueError(f"unknown layout {pm.layout!r}")
 
+
+
+def shard_group(pm: ParamMap) -> tuple[int, int]:
+    """(size, rank) of the group `pm` is sharded over: expert-TP for experts, else TP."""
+    from megatron.core import parallel_state as ps
+
+    if pm.expert is not None:
+        return ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
+    return ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()

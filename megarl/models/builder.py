@@ -2,7 +2,7 @@
 
 TP/PP sizes and pre/post-process flags come from `megatron.core.parallel_state`, so call
 `megarl.parallel.distributed.init_distributed` first. Two layer implementations:
-"local" (megatron's own modules; CPU and GPU) and "te" = "transformer_engine" (Transformer
+"local" (megatron's own modules with megarl's core attention; CPU and GPU) and "te" = "transformer_engine" (Transformer
 Engine; GPU only, verified only on GPU).
 
 Vocabulary padding: the embedding and output layer hold `padded_vocab_size(V, tp, d)` rows
@@ -96,22 +96,68 @@ def transformer_config(spec: ArchSpec, *, dtype: torch.dtype = torch.float32,
         apply_rope_fusion=False,
         persist_layer_norm=False,
     )
+    if spec.num_experts:
+        kwargs.update(moe_config_fields(spec), expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+                      expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size())
+        _define_missing_te_gemm()
     kwargs.update(overrides or {})
     return TransformerConfig(**kwargs)
 
 
+def _define_missing_te_gemm() -> None:
+    """megatron-core 0.16.1's router gating linear tests `te_general_gemm is not None`, a name
+    it only binds when Transformer Engine imports (NameError otherwise, CPU or GPU); without TE
+    it is None, which selects megatron's own torch.mm path."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not moe_utils.HAVE_TE and not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def moe_config_fields(spec: ArchSpec) -> dict[str, Any]:
+    """TransformerConfig MoE fields reproducing HF Qwen-MoE routing (`ArchSpec` doc).
+
+    norm_topk_prob: softmax over the top-k logits == top-k of softmax(logits) renormalised
+    (megatron's post-softmax routing); otherwise softmax over all experts before top-k
+    (moe_router_pre_softmax). The router runs in fp32; no load-balancing loss unless the
+    trainer's overrides ask for one (RL default); sequential (not grouped) experts."""
+    shared = spec.shared_expert_ffn_hidden_size
+    return dict(
+        num_moe_experts=spec.num_experts,
+        moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+        moe_router_topk=spec.moe_topk,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not spec.norm_topk_prob,
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_grouped_gemm=False,
+        moe_shared_expert_intermediate_size=shared or None,
+        moe_shared_expert_gate=bool(shared),
+    )
+
+
 def layer_spec(spec: ArchSpec, impl: str = "local"):
     """Layer spec: Transformer Engine ("te" / "transformer_engine": fused norms in linear_qkv /
-    linear_fc1; verified only on GPU) or "local"."""
+    linear_fc1; verified only on GPU) or "local": megatron's local modules with megarl's core
+    attention (`megarl.models.attention.LocalAttention`: packed sequences, context parallelism,
+    memory linear in the sequence length)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if impl in ("te", "transformer_engine"):
         if not te_available():
             raise RuntimeError("impl='te' needs Transformer Engine (not importable here); use impl='local'")
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_layernorm)
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=spec.num_experts or None, moe_grouped_gemm=False, qk_layernorm=spec.qk_layernorm)
     if impl != "local":
         raise ValueError(f"impl must be 'local', 'te' or 'transformer_engine', got {impl!r}")
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_layernorm)
+    from megarl.models.attention import LocalAttention
+
+    lspec = gpt_layer_specs.get_gpt_layer_local_spec(
+        num_experts=spec.num_experts or None, moe_grouped_gemm=False, normalization="RMSNorm",
+        qk_layernorm=spec.qk_layernorm)
+    lspec.submodules.self_attention.submodules.core_attention = LocalAttention
+    return lspec
 
 
 def _mask_padded_vocab_hook(vocab_size: int, padded: int):

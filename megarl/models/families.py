@@ -1,9 +1,10 @@
 """Model-family registry: HF `config.model_type` -> how to build and map a Megatron GPTModel.
 
 A family turns an HF `PretrainedConfig` into `ArchSpec`, the architecture facts megatron-core
-needs (head layout, biases, q/k norms, RoPE). The dense families (Qwen2/2.5, Qwen3, Llama 3)
-share one layer layout and one weight bridge (`megarl.models.bridge`); they differ only in the
-facts extracted here. New families register with `@register_family("model_type")`.
+needs (head layout, biases, q/k norms, RoPE, experts). The dense families (Qwen2/2.5, Qwen3,
+Llama 3) and the MoE families (Qwen3-MoE, Qwen2-MoE with its sigmoid-gated shared expert) share
+one weight bridge (`megarl.models.bridge`); they differ only in the facts extracted here. New
+families register with `@register_family("model_type")`.
 """
 
 from __future__ import annotations
@@ -38,6 +39,14 @@ class ArchSpec:
     tie_word_embeddings: bool
     init_std: float
     attention_dropout: float
+    # Mixture of experts (0 experts = dense MLP in every layer). Routing as HF Qwen-MoE:
+    # p = softmax(router logits) in fp32, the top `moe_topk` experts, p renormalised over them
+    # when `norm_topk_prob`; a shared expert (when its size > 0) adds sigmoid(gate . h) * MLP(h).
+    num_experts: int = 0
+    moe_topk: int = 0
+    moe_ffn_hidden_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_ffn_hidden_size: int = 0
 
 
 _FAMILIES: dict[str, Callable[[Any], ArchSpec]] = {}
@@ -136,3 +145,36 @@ def llama(hf_config: Any) -> ArchSpec:
     _require(not getattr(hf_config, "attention_bias", False), hf_config, "attention_bias=True")
     _require(not getattr(hf_config, "mlp_bias", False), hf_config, "mlp_bias=True")
     return _common(hf_config, head_dim=_head_dim(hf_config), add_qkv_bias=False, qk_layernorm=False)
+
+
+def _moe(hf_config: Any, dense: ArchSpec, shared_expert_ffn: int) -> ArchSpec:
+    import dataclasses
+
+    n = int(getattr(hf_config, "num_experts", 0) or 0)
+    _require(n > 1, hf_config, f"num_experts={n} (an MoE family needs >= 2 experts)")
+    # megatron's moe_layer_freq could express dense layers in between; not wired (no model uses it)
+    _require(getattr(hf_config, "decoder_sparse_step", 1) == 1, hf_config, "decoder_sparse_step != 1")
+    _require(not getattr(hf_config, "mlp_only_layers", None), hf_config, "mlp_only_layers (dense layers)")
+    topk = int(hf_config.num_experts_per_tok)
+    _require(0 < topk <= n, hf_config, f"num_experts_per_tok={topk} with {n} experts")
+    return dataclasses.replace(
+        dense, num_experts=n, moe_topk=topk, moe_ffn_hidden_size=int(hf_config.moe_intermediate_size),
+        norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", False)),
+        shared_expert_ffn_hidden_size=shared_expert_ffn)
+
+
+@register_family("qwen3_moe")
+def qwen3_moe(hf_config: Any) -> ArchSpec:
+    """Qwen3-MoE (Qwen3-30B-A3B, -235B-A22B): Qwen3 attention, every MLP a top-k softmax MoE."""
+    return _moe(hf_config, qwen3(hf_config), shared_expert_ffn=0)
+
+
+@register_family("qwen2_moe")
+def qwen2_moe(hf_config: Any) -> ArchSpec:
+    """Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): Qwen2 attention (q/k/v bias when
+    `qkv_bias`), top-k softmax MoE (no renormalisation by default) plus a shared expert scaled
+    by sigmoid(shared_expert_gate . h)."""
+    bias = bool(getattr(hf_config, "qkv_bias", True))
+    dense = _common(hf_config, head_dim=hf_config.hidden_size // hf_config.num_attention_heads,
+                    add_qkv_bias=bias, qk_layernorm=False)
+    return _moe(hf_config, dense, shared_expert_ffn=int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0))

@@ -10,7 +10,9 @@ megatron-core 0.16.1 assumes CUDA in a handful of places (see shared/reference/m
 3. The model-parallel RNG tracker's CUDA RNG get/set/seed functions use the CPU generator, so
    `model_parallel_cuda_manual_seed` and `get_cuda_rng_tracker().fork()` work (dropout RNG
    therefore differs from GPU runs).
-4. Stream/event/synchronize/empty_cache become no-ops (`torch.cuda.Stream`, `Event`, `stream`).
+4. Stream/event/synchronize/empty_cache become no-ops (`torch.cuda.Stream`, `Event`, `stream`),
+   and so does `Tensor.record_stream` (the MoE alltoall dispatcher records the stream of the
+   split sizes it copies to the host).
 5. `Tensor.type()` (no arguments) reports CUDA type names ('torch.cuda.FloatTensor'): the
    optimizers and gradient clipping check those names before wrapping parameters or scaling
    grads, and with it megatron's own clipping path (local multi-tensor fallbacks) runs on CPU.
@@ -22,6 +24,10 @@ megatron-core 0.16.1 assumes CUDA in a handful of places (see shared/reference/m
    not saved there; megatron restores it separately, as ONE tensor shared by all params, which
    torch Adam then increments once per param). The patches give a fresh optimizer zero state,
    leave 'step' out of the param-state copy and give every param its own step tensor.
+
+7. `dist.all_to_all_single` gets its split sizes as lists: megatron's MoE alltoall dispatcher
+   copies them device -> host as numpy only for CUDA tensors and passes CPU tensors through,
+   which the c10d binding rejects (gloo itself supports the variable-size all-to-all).
 
 The runtime never activates when `torch.cuda.is_available()`; `activate()` raises instead.
 `activate(strict=True)` (or MEGARL_STRICT_DEVICE=1) adds strict device mode
@@ -81,6 +87,9 @@ class _CudaToCpuMode(TorchFunctionMode):
             kwargs = dict(kwargs, device=_CPU)
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.distributed.all_to_all_single:
+            kwargs = {k: v.tolist() if k.endswith("split_sizes") and torch.is_tensor(v) else v
+                      for k, v in kwargs.items()}
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             # megatron checks type names like 'torch.cuda.FloatTensor' before wrapping params
             return func(*args).replace("torch.", "torch.cuda.", 1)
@@ -149,6 +158,7 @@ def _patch_torch_cuda() -> None:
     cuda.default_stream = lambda *a, **k: _NoopStream()
     cuda.stream = lambda *a, **k: contextlib.nullcontext()
     cuda.set_device = lambda *a, **k: None
+    torch.Tensor.record_stream = lambda self, stream: None  # its arg parser rejects _NoopStream
     cuda.manual_seed = _cpu_manual_seed
     cuda.manual_seed_all = lambda seed: None  # torch.manual_seed already seeded the CPU generator
     cuda.get_rng_state = _cpu_get_rng_state

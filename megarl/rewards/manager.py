@@ -19,18 +19,25 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import re
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
+from megarl.parallel.distributed import phase
 from megarl.rewards.config import RewardConfig
 from megarl.rewards.registry import BuiltReward, build_reward
 from megarl.rewards.types import RewardInput, RewardOutput, RewardTimeout
 
 logger = logging.getLogger(__name__)
 _LOGGED_FAILURES_PER_CALL = 5
+
+
+def _finite_score(score) -> bool:
+    """A real number (not a bool, string or tensor) that is neither NaN nor infinite."""
+    return isinstance(score, numbers.Real) and not isinstance(score, bool) and math.isfinite(score)
 
 
 @dataclass
@@ -69,6 +76,10 @@ class RewardManager:
         return self.cfg.incorrect_score if key is None else self._rewards[key].failure_score
 
     def score(self, batch: list[RewardInput]) -> tuple[list[RewardOutput], dict[str, float]]:
+        with phase("reward"):
+            return self._score(batch)
+
+    def _score(self, batch: list[RewardInput]) -> tuple[list[RewardOutput], dict[str, float]]:
         start = time.monotonic()
         if self._hung >= self.cfg.max_workers:  # every thread is stuck in an abandoned call
             logger.error("reward: all %d worker threads are stuck in abandoned calls; starting a "
@@ -155,8 +166,9 @@ class RewardManager:
         for i, res in zip(job.indices, results):
             if isinstance(res, Exception):
                 failures.append((i, f"{type(res).__name__}: {res}", isinstance(res, RewardTimeout)))
-            elif not isinstance(res, RewardOutput) or not math.isfinite(float(res.score)):
-                failures.append((i, f"invalid reward output {res!r}", False))
+            elif not isinstance(res, RewardOutput) or not _finite_score(res.score):
+                failures.append((i, f"invalid reward output {res!r} (expected a RewardOutput with a finite "
+                                    "float score)", False))
             else:
                 outputs[i] = res
 

@@ -22,11 +22,13 @@ response).
 Seeds: `seed` seeds a torch.Generator created for the call (the global RNG is not touched); the
 draws depend on the batch, so a sample is reproducible for the same call, not across batchings.
 
-Memory. The KV cache lives only for the duration of a generate call. `release_memory()` moves the
-weights to CPU on GPU (`discard_weights=True` frees them instead; then `update_weights` must run
-after `resume_memory()` before the next generate). On CPU, `release_memory()` keeps the weights
-in place unless `discard_weights=True`. Between release and resume, generate and update_weights
-raise RuntimeError.
+Memory. The KV cache lives only for the duration of a generate call; its size (layers * 2 * rows
+* (longest context + budget) * kv_heads * head_dim * dtype bytes) is checked against `kv_cache_gb`
+before anything is allocated (KVCacheBudgetError above it) and kept in `kv_cache_bytes`.
+`release_memory()` moves the weights to CPU on GPU (`discard_weights=True` frees them instead;
+then `update_weights` must run after `resume_memory()` before the next generate). On CPU,
+`release_memory()` keeps the weights in place unless `discard_weights=True`. Between release and
+resume, generate and update_weights raise RuntimeError.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ import torch
 from megarl.rollout.checkpoint import (
     eos_token_ids, has_tokenizer, iter_checkpoint_buckets, read_config)
 from megarl.rollout.sampling import sample_tokens, segment_budget, token_samplers
-from megarl.rollout.torch_model import DecoderLM, KVCache, ModelArgs, model_args_from_hf_config
+from megarl.rollout.torch_model import (
+    DecoderLM, KVCache, ModelArgs, check_kv_cache_budget, model_args_from_hf_config)
 from megarl.rollout.types import Sample, SamplingParams
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -77,8 +80,11 @@ class BuiltinEngine:
 
     def __init__(self, config: Any, *, dtype: torch.dtype | str = torch.float32,
                  device: str | torch.device = "cpu", tokenizer: Any = None,
-                 eos_token_ids: Sequence[int] | None = None, max_context: int | None = None):
+                 eos_token_ids: Sequence[int] | None = None, max_context: int | None = None,
+                 kv_cache_gb: float | None = None):
         self.args: ModelArgs = model_args_from_hf_config(config)
+        self.kv_cache_gb = kv_cache_gb  # GiB budget of one call's KV cache; None = no limit
+        self.kv_cache_bytes = 0  # KV cache of the last generate / continue_samples call
         self.dtype = parse_dtype(dtype)
         self.device = torch.device(device)
         self.tokenizer = tokenizer
@@ -98,7 +104,7 @@ class BuiltinEngine:
     @classmethod
     def from_pretrained(cls, hf_dir: str | Path, *, dtype: torch.dtype | str = torch.float32,
                         device: str | torch.device = "cpu", tokenizer: Any = "auto",
-                        max_context: int | None = None) -> "BuiltinEngine":
+                        max_context: int | None = None, kv_cache_gb: float | None = None) -> "BuiltinEngine":
         """Loads config.json + safetensors (single file or sharded with an index).
 
         tokenizer="auto" loads `AutoTokenizer.from_pretrained(hf_dir)` when tokenizer files are
@@ -112,7 +118,7 @@ class BuiltinEngine:
                 tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
         eos = eos_token_ids(config, hf_dir) + _tokenizer_eos(tokenizer)
         engine = cls(config, dtype=dtype, device=device, tokenizer=tokenizer, eos_token_ids=eos,
-                     max_context=max_context)
+                     max_context=max_context, kv_cache_gb=kv_cache_gb)
         engine.update_weights(iter_checkpoint_buckets(hf_dir))
         return engine
 
@@ -304,6 +310,39 @@ class BuiltinEngine:
         before = self.tokenizer.decode(row.response[-tail:-1], skip_special_tokens=False)
         return any(s in text and s not in before for s in stops)
 
+    def _prefill(self, contexts: list[list[int]], width: int, cache: KVCache) -> torch.Tensor:
+        """Writes every context right-aligned into cache slots [width - len, width) and returns the
+        logits [B, V] of its last position. Rows are prefilled in groups of similar length (powers
+        of two), each left-padded only to its own longest context: a T-PPO window mixes short
+        prompts with long carried responses, and one padded batch would compute mostly padding.
+        Slots left of a group's width are zeroed (they are masked, and 0 * NaN garbage is NaN)."""
+        dev, lens = self.device, [len(c) for c in contexts]
+        groups: dict[int, list[int]] = {}
+        for i, n in enumerate(lens):
+            groups.setdefault((n - 1).bit_length(), []).append(i)
+        logits = None
+        for members in groups.values():
+            L = max(lens[i] for i in members)
+            pads = torch.tensor([L - lens[i] for i in members], device=dev)
+            tokens = torch.zeros(len(members), L, dtype=torch.long)
+            for r, i in enumerate(members):
+                tokens[r, L - lens[i]:] = torch.tensor(contexts[i])
+            valid = torch.arange(L, device=dev)[None] >= pads[:, None]
+            positions = (torch.arange(L, device=dev)[None] - pads[:, None]).clamp(min=0)
+            causal = torch.ones(L, L, dtype=torch.bool, device=dev).tril()
+            diag = torch.eye(L, dtype=torch.bool, device=dev)  # pad queries see themselves
+            mask = (causal[None] & valid[:, None, :]) | diag[None]
+            part = KVCache.allocate(self.args, len(members), L, self.dtype, dev)
+            out = self.model(tokens.to(dev), positions, part, 0, mask[:, None])
+            idx = torch.tensor(members, device=dev)
+            for full, new in zip((*cache.keys, *cache.values), (*part.keys, *part.values)):
+                full[idx, :, width - L:width] = new
+                full[idx, :, :width - L] = 0
+            if logits is None:
+                logits = out.new_empty(len(contexts), out.shape[-1])
+            logits[idx] = out
+        return logits
+
     @torch.inference_mode()
     def _run(self, contexts: list[list[int]], repeat: int, rows: list[_Row],
              sampling: SamplingParams, first_segment: bool) -> None:
@@ -321,18 +360,12 @@ class BuiltinEngine:
         prompt_len = int(lens.max())
         max_steps = max(row.budget for row in rows)
         pads = (prompt_len - lens).to(dev)
-        tokens = torch.zeros(len(contexts), prompt_len, dtype=torch.long)
-        for i, c in enumerate(contexts):
-            tokens[i, prompt_len - len(c):] = torch.tensor(c)
-        tokens = tokens.to(dev)
         key_valid = torch.arange(prompt_len + max_steps, device=dev)[None] >= pads[:, None]
-        positions = (torch.arange(prompt_len, device=dev)[None] - pads[:, None]).clamp(min=0)
-        causal = torch.ones(prompt_len, prompt_len, dtype=torch.bool, device=dev).tril()
-        diag = torch.eye(prompt_len, dtype=torch.bool, device=dev)  # pad queries see themselves
-        mask = (causal[None] & key_valid[:, None, :prompt_len]) | diag[None]
 
+        self.kv_cache_bytes = check_kv_cache_budget(self.args, len(rows), prompt_len + max_steps, self.dtype,
+                                                    self.kv_cache_gb)
         cache = KVCache.allocate(self.args, len(contexts), prompt_len + max_steps, self.dtype, dev)
-        logits = self.model(tokens, positions, cache, 0, mask[:, None])
+        logits = self._prefill(contexts, prompt_len, cache)
         next_pos = lens.to(dev)
         if repeat > 1:
             cache.repeat_rows(repeat)

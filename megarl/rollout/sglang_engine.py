@@ -11,6 +11,9 @@ TP rank i on GPU `base_gpu_id + i` (default base: the owner's current device). S
 The other ranks wait on `group` while the owner starts the engine or generates: give that gloo
 group a timeout longer than the longest generation (`megarl.trainer.build.engine_group`).
 
+- server arguments: keyword arguments beyond the named ones go to `sglang.Engine` unchanged; from a
+  config, `sglang_utils.server_args` builds them (tp_size, mem_fraction_static, context_length,
+  chunked_prefill_size). `context_length` also caps every request's budget here (prompt + new tokens).
 - start: creates the `sglang.Engine`. SGLang sizes its KV pool at that moment from the free GPU
   memory (mem_fraction_static), so start it while the training state is off the GPU. The engine
   is lazy: constructing this class starts nothing; `start()` or the first `resume_memory()` does.

@@ -225,6 +225,27 @@ def needs_weight_update_session(version: str) -> bool:
 
 # ---------------------------------------------------------------------------- engine lifecycle
 
+
+def server_args(cfg: Any) -> dict[str, Any]:
+    """`sglang.Engine` keyword arguments (ServerArgs fields) from a `MegaRLConfig`.
+
+    tp_size = parallel.rollout_tp, mem_fraction_static = rollout.mem_fraction,
+    context_length = rollout.sglang_context_length, or when null
+        data.max_prompt_len + max(rollout.max_new_tokens, eval.max_new_tokens)
+    (the longest request the engine serves; generation budgets are capped by it, and SGLang
+    refuses a context_length above the model's max_position_embeddings unless the environment
+    sets SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1), chunked_prefill_size =
+    rollout.sglang_chunked_prefill_size, left out when null so SGLang picks its GPU-dependent default.
+    """
+    r = cfg.rollout
+    context = r.sglang_context_length or cfg.data.max_prompt_len + max(r.max_new_tokens, cfg.eval.max_new_tokens)
+    args: dict[str, Any] = {"tp_size": cfg.parallel.rollout_tp, "mem_fraction_static": r.mem_fraction,
+                            "context_length": int(context)}
+    if r.sglang_chunked_prefill_size is not None:
+        args["chunked_prefill_size"] = int(r.sglang_chunked_prefill_size)
+    return args
+
+
 # srt/constants.py GPU_MEMORY_ALL_TYPES: the regions release/resume_memory_occupation take as tags
 MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"

@@ -1,7 +1,8 @@
 """A compact decoder-only transformer for the builtin rollout engine.
 
 Covers the dense HF families Qwen2 / Qwen2.5 (q/k/v bias), Qwen3 (per-head q/k RMSNorm) and
-Llama 3 (optional llama3 rope scaling, tied or untied embeddings). Module attribute names mirror
+Llama 3 (optional llama3 rope scaling, tied or untied embeddings), and the MoE families
+Qwen3-MoE and Qwen2-MoE (`megarl.rollout.torch_moe`). Module attribute names mirror
 the HF checkpoint names (`model.layers.0.self_attn.q_proj.weight`, ...), so `state_dict()` keys
 are HF names and loading a weight stream is a name lookup.
 
@@ -43,6 +44,11 @@ class ModelArgs:
     o_bias: bool
     mlp_bias: bool
     qk_norm: bool
+    num_experts: int = 0  # > 0: every MLP is a `torch_moe.SparseMoE`
+    moe_topk: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
 
 
 def _get(cfg: dict, key: str, default: Any = None) -> Any:
@@ -94,10 +100,34 @@ def _llama_args(cfg: dict) -> ModelArgs:
                      mlp_bias=bool(_get(cfg, "mlp_bias", False)), qk_norm=False)
 
 
+def _moe_args(cfg: dict, dense: ModelArgs, shared: int) -> ModelArgs:
+    import dataclasses
+
+    if _get(cfg, "decoder_sparse_step", 1) != 1 or cfg.get("mlp_only_layers"):
+        raise ValueError("config.json: MoE models with dense layers (decoder_sparse_step / mlp_only_layers) "
+                         "are not supported by the builtin engine")
+    return dataclasses.replace(
+        dense, num_experts=int(cfg.get("num_experts") or cfg.get("num_local_experts")),
+        moe_topk=int(cfg["num_experts_per_tok"]), moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+        norm_topk_prob=bool(_get(cfg, "norm_topk_prob", False)), shared_expert_intermediate_size=shared)
+
+
+def _qwen3_moe_args(cfg: dict) -> ModelArgs:
+    return _moe_args(cfg, _qwen3_args(cfg), 0)
+
+
+def _qwen2_moe_args(cfg: dict) -> ModelArgs:
+    bias = bool(_get(cfg, "qkv_bias", True))
+    dense = ModelArgs(**_common_args(cfg), qkv_bias=bias, o_bias=False, mlp_bias=False, qk_norm=False)
+    return _moe_args(cfg, dense, int(_get(cfg, "shared_expert_intermediate_size", 0)))
+
+
 MODEL_FAMILIES: dict[str, Callable[[dict], ModelArgs]] = {
     "qwen2": _qwen2_args,
     "qwen3": _qwen3_args,
     "llama": _llama_args,
+    "qwen3_moe": _qwen3_moe_args,
+    "qwen2_moe": _qwen2_moe_args,
 }
 
 
@@ -159,10 +189,40 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+GIB = 1024**3
+
+
+def kv_cache_bytes(args: ModelArgs, batch: int, max_len: int, dtype: torch.dtype) -> int:
+    """Bytes of a KV cache: layers * 2 (K, V) * batch * max_len * kv_heads * head_dim * element size."""
+    element = torch.empty(0, dtype=dtype).element_size()
+    return args.num_layers * 2 * batch * max_len * args.num_kv_heads * args.head_dim * element
+
+
+class KVCacheBudgetError(ValueError):
+    """A generate call whose KV cache would exceed the engine's budget (rollout.kv_cache_gb)."""
+
+
+def check_kv_cache_budget(args: ModelArgs, batch: int, max_len: int, dtype: torch.dtype,
+                          budget_gib: float | None) -> int:
+    """The KV cache bytes of `batch` rows of `max_len` slots; raises KVCacheBudgetError above
+    `budget_gib` GiB (None: no limit), before anything is allocated."""
+    need = kv_cache_bytes(args, batch, max_len, dtype)
+    if budget_gib is not None and need > budget_gib * GIB:
+        raise KVCacheBudgetError(
+            f"rollout KV cache needs {need / GIB:.4g} GiB > rollout.kv_cache_gb={budget_gib:g} GiB "
+            f"({args.num_layers} layers x 2 x {batch} sequences x {max_len} tokens x {args.num_kv_heads} KV heads "
+            f"x {args.head_dim} x {torch.empty(0, dtype=dtype).element_size()} bytes); lower rollout.max_new_tokens "
+            "or data.max_prompt_len, generate fewer sequences per engine (rollout.prompts_per_step, "
+            "rollout.gen_batch_prompts, rollout.n_samples_per_prompt, or more ranks), or raise rollout.kv_cache_gb")
+    return need
+
+
 class KVCache:
     """Per-layer key/value buffers [B, n_kv_heads, max_len, head_dim], preallocated once.
 
-    Rows are sequences; slots are aligned across rows (prompts are left-padded).
+    Rows are sequences; slots are aligned across rows (prompts are left-padded). Row selection and
+    repetition replace one layer at a time, so they need one layer's buffers on top of the cache,
+    not a second cache.
     """
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]):
@@ -175,13 +235,19 @@ class KVCache:
         return cls([torch.empty(shape, dtype=dtype, device=device) for _ in range(args.num_layers)],
                    [torch.empty(shape, dtype=dtype, device=device) for _ in range(args.num_layers)])
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
     def select_rows(self, rows: torch.Tensor) -> None:
-        self.keys = [k.index_select(0, rows) for k in self.keys]
-        self.values = [v.index_select(0, rows) for v in self.values]
+        for i in range(len(self.keys)):
+            self.keys[i] = self.keys[i].index_select(0, rows)
+            self.values[i] = self.values[i].index_select(0, rows)
 
     def repeat_rows(self, n: int) -> None:
-        self.keys = [k.repeat_interleave(n, dim=0) for k in self.keys]
-        self.values = [v.repeat_interleave(n, dim=0) for v in self.values]
+        for i in range(len(self.keys)):
+            self.keys[i] = self.keys[i].repeat_interleave(n, dim=0)
+            self.values[i] = self.values[i].repeat_interleave(n, dim=0)
 
 
 class Attention(nn.Module):
@@ -235,7 +301,13 @@ class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.self_attn = Attention(args)
-        self.mlp = MLP(args)
+        if args.num_experts:
+            from megarl.rollout.torch_moe import SparseMoE
+
+            self.mlp = SparseMoE(args.hidden_size, args.num_experts, args.moe_topk, args.moe_intermediate_size,
+                                 args.norm_topk_prob, args.shared_expert_intermediate_size)
+        else:
+            self.mlp = MLP(args)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 

@@ -7,8 +7,8 @@ per-token tensors [B, T] (row i, column j = response token j of sample i; T = th
 response; columns past a response's end are 0). Prepare, advantages and updates read and write
 those fields; nothing is keyed by strings.
 
-A `MicroBatch` is a set of rows of the batch packed into one or more token rows for the model
-(`build_microbatch`), plus `data`: those rows of the batch cut to the micro-batch's widest
+A `MicroBatch` is a set of rows of the batch packed into one token row for the model (THD,
+`build_microbatch`; under context parallelism each rank keeps its chunks, `cp_shard`), plus `data`: those rows of the batch cut to the micro-batch's widest
 response. Shift convention: for a sequence p_1..p_P r_1..r_R packed at offset o of its row, the
 logits at position o+P-1+j predict response token j (0-based), so that token's log-prob, value
 and loss live at position o+P-1+j.
@@ -17,11 +17,14 @@ and loss live at position o+P-1+j.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
+from megarl.algorithms.tppo import window_mask
 from megarl.data.packing import token_budget_microbatches
+from megarl.trainer import vocab_parallel
 
 
 @dataclass
@@ -36,12 +39,18 @@ class Trajectory:
     score: float = 0.0  # shaped outcome reward (R + R_length)
     acc: bool = False  # correctness, used by dynamic sampling and the positive-example loss
     data_source: str = "math"
-    policy_version: int = 0  # the training step whose weights generated it
+    policy_version: int = 0  # the training step whose weights generated it (T-PPO: its latest window)
     baseline_score: float | None = None  # ReMax: score of the greedy response to the same prompt
+    window_start: int = 0  # T-PPO: response index of the first token of the latest window
+    start_version: int | None = None  # T-PPO: policy version of the first window (None: policy_version)
 
     @property
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
+
+    @property
+    def first_version(self) -> int:
+        return self.policy_version if self.start_version is None else self.start_version
 
     def state(self) -> dict:
         return dataclasses.asdict(self)
@@ -75,6 +84,9 @@ class StepBatch:
     turn_ids: torch.Tensor | None = None
     images: list | None = None
     baseline_score: torch.Tensor | None = None  # [B] float32 ReMax baseline (greedy response's score)
+    window_start: torch.Tensor | None = None  # [B] int64 first response index of the latest window (T-PPO)
+    start_version: torch.Tensor | None = None  # [B] int64 policy version of the first window (T-PPO)
+    is_weights: torch.Tensor | None = None  # [B, T] rollout IS weights (algorithm.rollout_is)
 
     @classmethod
     def from_trajectories(cls, trajs: list[Trajectory]) -> "StepBatch":
@@ -95,6 +107,8 @@ class StepBatch:
             response_mask=mask, rollout_logprobs=rollout,
             baseline_score=(torch.tensor([float(t.baseline_score) for t in trajs], dtype=torch.float32)
                             if trajs and all(t.baseline_score is not None for t in trajs) else None),
+            window_start=torch.tensor([int(t.window_start) for t in trajs], dtype=torch.int64),
+            start_version=torch.tensor([int(t.first_version) for t in trajs], dtype=torch.int64),
         )
 
     def __len__(self) -> int:
@@ -113,6 +127,13 @@ class StepBatch:
     def truncated(self) -> torch.Tensor:
         """[B] bool: unfinished T-PPO samples (the window ended, not the response)."""
         return torch.tensor([f == "truncated" for f in self.finish_reason], dtype=torch.bool)
+
+    @property
+    def window_mask(self) -> torch.Tensor:
+        """[B, T] the tokens of each sample's latest window (all response tokens without windows)."""
+        if self.window_start is None:
+            return self.response_mask
+        return window_mask(self.response_mask, self.window_start)
 
     def select(self, rows: list[int], width: int | None = None) -> "StepBatch":
         """These rows (in this order), per-token fields cut to `width` columns (default: all)."""
@@ -143,39 +164,70 @@ class StepBatch:
 class MicroBatch:
     rows: list[int]  # rows of the batch the micro-batch was built from
     data: StepBatch  # those rows, cut to the widest response of the micro-batch
-    input_ids: torch.Tensor  # [rows, S]
-    position_ids: torch.Tensor  # [rows, S]
-    targets: torch.Tensor  # [rows, S] next token at every position
-    resp_index: torch.Tensor  # [n, T_mb] flat (row * S + col) position of each response token
-    cu_seqlens: torch.Tensor  # [n+1] int32 (padded) sequence boundaries of the single row (THD path)
-    segments: list[list[int]] = field(default_factory=list)  # padded sequence lengths per row
+    input_ids: torch.Tensor  # [1, S] the packed sequences (this CP rank's tokens after cp_shard)
+    position_ids: torch.Tensor  # [1, S] position within each sequence
+    targets: torch.Tensor  # [1, S] next token at every position of the full row
+    resp_index: torch.Tensor  # [n, T_mb] position in the full row of each response token
+    owner: torch.Tensor  # [n, T_mb] position in input_ids of each response token; -1: not here
+    cu_seqlens: torch.Tensor  # [n+1] int32 padded sequence boundaries of the full row
+    cp_size: int = 1
+    chunk_tokens: int = 4096  # log-probs / entropy are computed over this many tokens at a time
 
-    def attention_mask(self) -> torch.Tensor:
-        """[rows, 1, S, S] bool block-causal mask (True = masked) for megatron's local attention.
+    def cp_shard(self, cp_rank: int, cp_size: int) -> "MicroBatch":
+        """This CP rank's tokens: chunks r and 2*cp-1-r of every sequence (megarl.models.attention);
+        the response tokens it does not hold get owner -1."""
+        from megarl.models.attention import cp_shard_index
 
-        Built on demand (S^2 bytes per row): the THD path (Transformer Engine) never needs it."""
-        n_rows, width = self.input_ids.shape
-        mask = torch.ones(n_rows, 1, width, width, dtype=torch.bool, device=self.input_ids.device)
-        mask[:, 0].diagonal(dim1=-2, dim2=-1).fill_(False)  # padding attends to itself only
-        causal = torch.ones(width, width, dtype=torch.bool, device=mask.device).triu(1)
-        for r, lengths in enumerate(self.segments):
-            off = 0
-            for L in lengths:
-                mask[r, 0, off : off + L, off : off + L] = causal[:L, :L]
-                off += L
-        return mask
+        mine = cp_shard_index(self.cu_seqlens.tolist(), cp_size, cp_rank)
+        local = torch.full((self.input_ids.shape[1],), -1, dtype=torch.long)
+        local[mine] = torch.arange(mine.numel())
+        owner = torch.where(self.owner >= 0, local[self.resp_index], self.owner)
+        return dataclasses.replace(self, input_ids=self.input_ids[:, mine], position_ids=self.position_ids[:, mine],
+                                   owner=owner, cp_size=cp_size)
 
-    def gather(self, per_position: torch.Tensor) -> torch.Tensor:
-        """[rows, S] (any shape with rows*S elements) packed values -> [n, T_mb] response view
-        (0 past each response's end)."""
-        flat = per_position.reshape(-1)
-        return flat[self.resp_index] * self.data.response_mask.to(flat.dtype)
+    def log_probs(self, logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """[n, T_mb] log-probs of the response tokens from this rank's (vocab-parallel) logits."""
+        targets = self.targets.reshape(-1)[self.resp_index]
+        return self._response_view(logits, lambda x, t: vocab_parallel.token_log_probs(x, t, temperature), targets)
+
+    def entropy(self, logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """[n, T_mb] entropy of the policy at every response token."""
+        return self._response_view(logits, lambda x, _: vocab_parallel.entropy(x, temperature))
+
+    def values(self, values: torch.Tensor) -> torch.Tensor:
+        """[n, T_mb] critic values at the response tokens."""
+        return self._response_view(values, lambda x, _: x[:, 0].float())
+
+    def _response_view(self, out: torch.Tensor, fn, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """fn(rows of `out` at the response tokens held here, their targets), `chunk_tokens` rows at
+        a time (with gradients, each chunk is recomputed in the backward: the float32 [tokens,
+        vocab/tp] intermediates never exist for more than one chunk); then summed over CP, where
+        every token is held by exactly one rank."""
+        flat = out.reshape(-1, out.shape[-1])
+        held = self.owner >= 0
+        index = self.owner[held]
+        tgt = targets[held] if targets is not None else index
+        parts = []
+        for i in range(0, index.numel(), self.chunk_tokens):
+            idx, t = index[i : i + self.chunk_tokens], tgt[i : i + self.chunk_tokens]
+            if torch.is_grad_enabled() and flat.requires_grad:
+                parts.append(checkpoint(lambda f, j, tt: fn(f[j], tt), flat, idx, t, use_reentrant=False,
+                                        determinism_check="none"))  # strict device mode re-tags devices
+            else:
+                parts.append(fn(flat[idx], t))
+        vals = torch.cat(parts) if parts else flat.new_zeros(0, dtype=torch.float32)
+        view = torch.zeros(held.shape, dtype=vals.dtype, device=vals.device).masked_scatter(held, vals)
+        if self.cp_size > 1:
+            from megatron.core import parallel_state as ps
+
+            view = vocab_parallel.AllReduceSum.apply(view, ps.get_context_parallel_group())
+        return view * self.data.response_mask.to(view.dtype)
 
     def to(self, device) -> "MicroBatch":
         return dataclasses.replace(
             self, data=self.data.to(device), input_ids=self.input_ids.to(device),
             position_ids=self.position_ids.to(device), targets=self.targets.to(device),
-            resp_index=self.resp_index.to(device), cu_seqlens=self.cu_seqlens.to(device),
+            resp_index=self.resp_index.to(device), owner=self.owner.to(device), cu_seqlens=self.cu_seqlens.to(device),
         )
 
 
@@ -183,56 +235,41 @@ def padded_length(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def build_microbatch(batch: StepBatch, rows: list[int], row_tokens: int | None = None,
-                     pad_multiple: int = 1) -> MicroBatch:
-    """Packs the sequences (prompt + response) of `rows` into token rows (host tensors).
-
-    row_tokens=None: one row, sequences delimited by cu_seqlens (the THD path). With row_tokens,
-    sequences are packed first-fit-decreasing into rows of at most that many tokens (a longer
-    sequence gets a row of its own): the local attention's cost grows with the row length
-    squared, so short rows keep it near the per-sequence cost. Every sequence is padded to a
-    multiple of `pad_multiple` (sequence parallelism needs the row length divisible by TP, FP8 by
-    16); the padding sits after the sequence inside its own causal block, so it changes nothing
-    before it.
+def build_microbatch(batch: StepBatch, rows: list[int], pad_multiple: int = 1, chunk_tokens: int = 4096) -> MicroBatch:
+    """Packs the sequences (prompt + response) of `rows` into one row delimited by cu_seqlens (THD;
+    host tensors). Every sequence is padded to a multiple of `pad_multiple` (2*CP for context
+    parallelism, TP with sequence parallelism, 16 for FP8); the padding sits after the sequence
+    inside its own causal block, so it changes nothing before it.
     """
     seqs = [batch.prompt_ids[i] + batch.response_ids[i] for i in rows]
     padded = [padded_length(len(s), pad_multiple) for s in seqs]
-    if row_tokens is None:
-        packing = [list(range(len(seqs)))]
-    else:
-        packing = [list(r) for r in token_budget_microbatches(padded, row_tokens)]
-    width = max(sum(padded[i] for i in r) for r in packing)
-    ids = torch.zeros(len(packing), width, dtype=torch.long)
-    pos = torch.zeros(len(packing), width, dtype=torch.long)
+    width = sum(padded)
+    ids = torch.zeros(1, width, dtype=torch.long)
+    pos = torch.zeros(1, width, dtype=torch.long)
     T = max(1, max(len(batch.response_ids[i]) for i in rows))
     resp_index = torch.zeros(len(rows), T, dtype=torch.long)
-    segments: list[list[int]] = []
-    starts = {}
-    for r, members in enumerate(packing):
-        off = 0
-        for k in members:
-            L = len(seqs[k])
-            P, R = len(batch.prompt_ids[rows[k]]), len(batch.response_ids[rows[k]])
-            ids[r, off : off + L] = torch.tensor(seqs[k])
-            pos[r, off : off + padded[k]] = torch.arange(padded[k])
-            resp_index[k, :R] = r * width + off + P - 1 + torch.arange(R)
-            starts[k] = off
-            off += padded[k]
-        segments.append([padded[k] for k in members])
+    owner = torch.full((len(rows), T), -1, dtype=torch.long)
+    off = 0
+    for k, seq in enumerate(seqs):
+        P, R = len(batch.prompt_ids[rows[k]]), len(batch.response_ids[rows[k]])
+        ids[0, off : off + len(seq)] = torch.tensor(seq)
+        pos[0, off : off + padded[k]] = torch.arange(padded[k])
+        resp_index[k, :R] = off + P - 1 + torch.arange(R)
+        owner[k, :R] = resp_index[k, :R]
+        off += padded[k]
     cu = torch.zeros(len(rows) + 1, dtype=torch.int32)
-    if row_tokens is None:  # one row: boundaries in packing order
-        cu[1:] = torch.tensor([padded[k] for k in packing[0]]).cumsum(0)
+    cu[1:] = torch.tensor(padded).cumsum(0)
     return MicroBatch(
         rows=list(rows), data=batch.select(list(rows), width=T), input_ids=ids, position_ids=pos,
         targets=torch.roll(ids, shifts=-1, dims=1),  # crosses sequence ends only at unused positions
-        resp_index=resp_index, cu_seqlens=cu, segments=segments,
+        resp_index=resp_index, owner=owner, cu_seqlens=cu, chunk_tokens=chunk_tokens,
     )
 
 
-def split_microbatches(batch: StepBatch, rows: list[int], max_tokens: int, row_tokens: int | None = None,
-                       pad_multiple: int = 1) -> list[MicroBatch]:
+def split_microbatches(batch: StepBatch, rows: list[int], max_tokens: int, pad_multiple: int = 1,
+                       chunk_tokens: int = 4096) -> list[MicroBatch]:
     """Token-budget micro-batches (first-fit-decreasing over whole sequences) of these rows."""
     all_lengths = batch.lengths
     lengths = [padded_length(all_lengths[i], pad_multiple) for i in rows]
     groups = token_budget_microbatches(lengths, max_tokens)
-    return [build_microbatch(batch, [rows[i] for i in g], row_tokens, pad_multiple) for g in groups]
+    return [build_microbatch(batch, [rows[i] for i in g], pad_multiple, chunk_tokens) for g in groups]

@@ -30,7 +30,14 @@ def load_hf_config_and_tokenizer(hf_path: str):
 
     if not hf_path or not Path(hf_path).is_dir():
         raise FileNotFoundError(f"model.hf_path: {hf_path!r} is not a directory with config.json + tokenizer")
+    if not any((Path(hf_path) / name).exists() for name in TOKENIZER_FILES):
+        # transformers would build an empty tokenizer that encodes every prompt to no tokens
+        raise FileNotFoundError(f"model.hf_path: {hf_path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+                                "copy the model's tokenizer files into it")
     return AutoConfig.from_pretrained(hf_path), AutoTokenizer.from_pretrained(hf_path)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tiktoken.model")
 
 
 def _padded_vocab(load: str | None, tp: int) -> int | None:
@@ -41,13 +48,15 @@ def _padded_vocab(load: str | None, tp: int) -> int | None:
 
 def model_options(model_cfg, parallel_cfg) -> dict:
     """megatron TransformerConfig fields set by `model.*` and `parallel.sequence_parallel`:
-    FP8 (TE), activation recompute, the attention backend, sequence parallelism."""
+    FP8 (TE), activation recompute, the attention backend, sequence parallelism, TE's CP exchange."""
     from megatron.core.transformer.enums import AttnBackend
 
     opts: dict = {"attention_backend": AttnBackend[model_cfg.attention_backend],
                   "sequence_parallel": bool(model_cfg.sequence_parallel and parallel_cfg.tp > 1)}
     if model_cfg.fp8 is not None:
         opts.update(fp8=model_cfg.fp8, fp8_recipe=model_cfg.fp8_recipe)
+    if parallel_cfg.cp > 1:
+        opts["cp_comm_type"] = model_cfg.cp_comm_type  # read by TE's attention; megarl's local one all-gathers
     if model_cfg.recompute is not None:
         opts["recompute_granularity"] = model_cfg.recompute
         if model_cfg.recompute == "full":
@@ -66,7 +75,8 @@ def _train_model(cfg, hf_config, optim, load: str | None, value_head: bool = Fal
                        impl=resolve_impl(cfg.model), total_steps=cfg.trainer.total_steps,
                        padded_vocab=_padded_vocab(load, ps.get_tensor_model_parallel_world_size()),
                        seed=cfg.trainer.seed, batching=cfg.critic if value_head else cfg.actor,
-                       model_options=model_options(cfg.model, cfg.parallel))
+                       model_options=model_options(cfg.model, cfg.parallel),
+                       logprob_chunk_tokens=cfg.model.logprob_chunk_tokens)
     model.hf_source_dir = cfg.model.hf_path
     if load:
         model.load(load, load_optimizer=False)
@@ -91,7 +101,8 @@ def build_critic(cfg, hf_config, actor: TrainModel) -> TrainModel:
     critic = TrainModel(hf_config, cfg.critic, value_head=True, dtype=cfg.model.dtype,
                         impl=resolve_impl(cfg.model), total_steps=cfg.trainer.total_steps,
                         padded_vocab=actor.modules[0].vocab_size, seed=cfg.trainer.seed,
-                        model_options=model_options(cfg.model, cfg.parallel))
+                        model_options=model_options(cfg.model, cfg.parallel),
+                        logprob_chunk_tokens=cfg.model.logprob_chunk_tokens)
     critic.hf_source_dir = cfg.model.hf_path
     copied = critic.copy_backbone_from(actor)
     log.info("critic initialised from the actor backbone (%d tensors)", copied)
@@ -104,9 +115,12 @@ def build_engine(cfg, hf_config, tokenizer):
     if cfg.rollout.engine == "builtin":
         from megarl.parallel.distributed import device
 
-        return make_engine("builtin", config=hf_config, tokenizer=tokenizer, device=device())
-    return make_engine("sglang", model_path=cfg.model.hf_path, tp_size=cfg.parallel.rollout_tp,
-                       group=engine_group(cfg.parallel.rollout_tp), mem_fraction_static=cfg.rollout.mem_fraction)
+        return make_engine("builtin", config=hf_config, tokenizer=tokenizer, device=device(),
+                           kv_cache_gb=cfg.rollout.kv_cache_gb)
+    from megarl.rollout.sglang_utils import server_args
+
+    return make_engine("sglang", model_path=cfg.model.hf_path, group=engine_group(cfg.parallel.rollout_tp),
+                       **server_args(cfg))
 
 
 def engine_group(tp: int, timeout: timedelta | None = None):

@@ -2,8 +2,22 @@
 an atomically replaced `latest` file that marks the newest COMPLETE checkpoint.
 
 A checkpoint directory without the `latest` mark (e.g. killed mid-write) is never loaded: only
-the step named in `latest` is, and `latest` is replaced (os.replace) after every rank finished
-writing. Retention removes the oldest complete step directories beyond `keep_last`.
+the step named in `latest` is, and `latest` is replaced (os.replace of an fsynced temporary
+file) after every rank finished writing. Retention renames the oldest complete step directories
+beyond `keep_last` to `.trash_step_N` (atomic) before deleting them, so every `step_N` at or
+below the mark is complete even when a kill interrupts the deletion.
+
+Async saves (trainer.async_save): megatron dist_checkpointing's async save writes each rank's
+shards in a forked background process (GPU tensors are first copied to host memory, so training
+goes on meanwhile). `finalize_async_saves` (every step, on every rank) finalises finished
+writes: the torch_dist metadata files, then, on every rank, the same `latest` update as a
+synchronous save. A writer that dies leaves no results, so the finalisation raises and `latest`
+keeps naming the previous complete checkpoint. megatron's writers hand their results to the
+finalisation through one process-wide first-in-first-out queue, so concurrent writers could
+give a checkpoint's metadata another write's results (tools/chaos.py caught exactly that: a
+model's metadata pointing at the optimizer's shard offsets). Hence one checkpoint is in flight
+at a time, and all its requests (model and optimizer of actor and critic) are written one after
+another by a single background process.
 """
 
 from __future__ import annotations
@@ -16,7 +30,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megarl.parallel.distributed import fault_point, phase
+
 LATEST = "latest"
+TRASH_PREFIX = ".trash_"
+_ASYNC_QUEUE = None  # megatron AsyncCallsQueue, created by the first async save
 
 
 def step_dir(run_dir: str | Path, step: int) -> Path:
@@ -37,38 +55,159 @@ def read_latest(run_dir: str | Path) -> Path | None:
     return path
 
 
-def save_checkpoint(run_dir: str | Path, step: int, models: dict, trainer_state: dict, keep_last: int | None) -> Path:
-    """Collective: every rank writes its shards; rank 0 writes the state and then the mark."""
+def save_checkpoint(run_dir: str | Path, step: int, models: dict, trainer_state: dict, keep_last: int | None,
+                    async_save: bool = False) -> Path:
+    """Collective: every rank writes its shards; rank 0 writes the state and then the mark (with
+    `async_save`, the mark once `finalize_async_saves` has finalised every rank's writes)."""
     path = step_dir(run_dir, step)
-    if dist.get_rank() == 0 and path.exists():
-        shutil.rmtree(path)  # an incomplete earlier attempt at this step
-    dist.barrier()
-    for name, model in models.items():
-        if dist.get_rank() == 0:
-            (path / name).mkdir(parents=True, exist_ok=True)
+    if async_save:
+        finalize_async_saves(blocking=True)  # the previous checkpoint first (see the module doc)
+    with phase("checkpoint_write"):
+        if dist.get_rank() == 0 and path.exists():
+            shutil.rmtree(path)  # an incomplete earlier attempt at this step
         dist.barrier()
-        model.save(str(path / name))
-    if dist.get_rank() == 0:
-        torch.save(trainer_state, path / "trainer_state.pt")
-    dist.barrier()
-    if dist.get_rank() == 0:
-        tmp = path.parent / f".{LATEST}.tmp"
-        tmp.write_text(path.name)
-        os.replace(tmp, path.parent / LATEST)
-        _retain(path.parent, keep_last)
-    dist.barrier()
+        requests: list = []
+        for name, model in models.items():
+            if dist.get_rank() == 0:
+                (path / name).mkdir(parents=True, exist_ok=True)
+            dist.barrier()
+            if async_save:
+                requests += _async_model_save(model, path / name)
+            else:
+                model.save(str(path / name))
+            fault_point("checkpoint_write")
+        if dist.get_rank() == 0:
+            torch.save(trainer_state, path / "trainer_state.pt")
+        if not async_save:
+            _mark_latest(path, keep_last)
+            return path
+        request = _one_request(requests)
+        request.add_finalize_fn(lambda: _mark_latest(path, keep_last))
+        _async_queue().schedule_async_request(request)
     return path
+
+
+def _one_request(requests: list):
+    """One AsyncRequest that writes `requests` one after another in one background process, then
+    runs all their finalisation functions in order. Their device -> host copies happen here,
+    at save time (where megatron's caller would make them)."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+
+    staged = []
+    for r in requests:
+        args = list(r.async_fn_args)
+        if r.preload_fn is not None:
+            args[1] = r.preload_fn()  # megatron's convention: argument 1 holds the write buckets
+        staged.append((r.async_fn, args, r.async_fn_kwargs))
+
+    def write_all():
+        for fn, args, kwargs in staged:
+            if fn is not None:
+                fn(*args, **kwargs)
+
+    return AsyncRequest(write_all, (), [fn for r in requests for fn in r.finalize_fns])
+
+
+def finalize_async_saves(blocking: bool = False) -> None:
+    """Collective (call on every rank alike): finalises the async saves whose writes finished on
+    every rank (all of them, waiting, with `blocking`); a no-op without pending async saves."""
+    if _ASYNC_QUEUE is not None and _ASYNC_QUEUE.get_num_unfinalized_calls():
+        with phase("checkpoint_finalize"):
+            _ASYNC_QUEUE.maybe_finalize_async_calls(blocking=blocking)
+
+
+def _async_queue():
+    global _ASYNC_QUEUE
+    if _ASYNC_QUEUE is None:
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        _ASYNC_QUEUE = AsyncCallsQueue(persistent=False)
+    return _ASYNC_QUEUE
+
+
+def _async_model_save(model, path: Path) -> list:
+    """The async requests of TrainModel.save's layout: <path>/model (+ hf/, metadata) and
+    <path>/optimizer."""
+    from megatron.core import dist_checkpointing
+
+    from megarl.trainer.train_model import OPTIM_CKPT_METADATA
+    from megarl.weights import dist_ckpt
+
+    requests: list = []
+    dist_ckpt.save_megatron_checkpoint(model.chunks, path, model.hf_config, model.hf_source_dir,
+                                       async_requests=requests)
+    if model.optimizer is not None:
+        if dist.get_rank() == 0:
+            (path / "optimizer").mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        sd = model.optimizer.sharded_state_dict(dist_ckpt.model_sharded_state_dict(model.chunks),
+                                                metadata=OPTIM_CKPT_METADATA)
+        requests.append(dist_checkpointing.save(sd, str(path / "optimizer"), async_sharded_save=True))
+    return requests
+
+
+def _mark_latest(path: Path, keep_last: int | None) -> None:
+    """Collective: after every rank's writes, rank 0 points `latest` at `path` and applies retention."""
+    with phase("latest_update"):
+        dist.barrier()
+        if dist.get_rank() == 0:
+            tmp = path.parent / f".{LATEST}.tmp"
+            with open(tmp, "w") as f:
+                f.write(path.name)
+                f.flush()
+                os.fsync(f.fileno())
+            fault_point("latest_update")
+            os.replace(tmp, path.parent / LATEST)
+            _fsync_dir(path.parent)
+            fault_point("latest_update")
+            _retain(path.parent, keep_last)
+        dist.barrier()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def load_trainer_state(path: Path) -> dict:
     return torch.load(path / "trainer_state.pt", weights_only=True)
 
 
+def checkpoint_problems(path: Path) -> list[str]:
+    """What makes the step directory `path` unloadable (empty when it is complete): a missing or
+    unreadable trainer_state.pt, and per model directory a missing megarl_model.json or torch_dist
+    file, foreign pickles, or a shard file shorter than its metadata says."""
+    from megarl.weights.dist_ckpt import META_NAME, torch_dist_problems
+
+    problems = []
+    try:
+        load_trainer_state(path)
+    except Exception as e:  # noqa: BLE001 - any failure makes the checkpoint unloadable
+        problems.append(f"{path / 'trainer_state.pt'}: {e}")
+    models = [p for p in sorted(path.iterdir()) if p.is_dir()] if path.is_dir() else []
+    if not models:
+        problems.append(f"{path}: no model directory")
+    for model in models:
+        if not (model / META_NAME).exists():
+            problems.append(f"{model / META_NAME} is missing")
+        for sub in ("model", "optimizer"):
+            if sub == "model" or (model / sub).exists():
+                problems += torch_dist_problems(model / sub)
+    return problems
+
+
 def _retain(ckpt_root: Path, keep_last: int | None) -> None:
+    for stale in ckpt_root.glob(f"{TRASH_PREFIX}step_*"):  # a deletion a kill interrupted
+        shutil.rmtree(stale, ignore_errors=True)
     if keep_last is None:
         return
     latest = (ckpt_root / LATEST).read_text().strip()
     steps = sorted((int(p.name.split("_")[1]), p) for p in ckpt_root.glob("step_*") if p.is_dir())
     complete = [p for s, p in steps if s <= int(latest.split("_")[1])]
     for p in complete[: max(0, len(complete) - keep_last)]:
-        shutil.rmtree(p, ignore_errors=True)
+        trash = p.with_name(TRASH_PREFIX + p.name)
+        os.replace(p, trash)
+        shutil.rmtree(trash, ignore_errors=True)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from megarl.parallel.distributed import phase
 from megarl.rollout import SamplingParams
 from megarl.trainer import build, checkpoint
 from megarl.trainer.metrics import MetricsLogger, PhaseTimer
@@ -94,7 +95,7 @@ class RunComponents:
     def evaluate(self, step: int) -> dict[str, float]:
         """avg@k accuracy (pass@1 averaged over k samples) per eval set and over all sets."""
         cfg, out = self.cfg, {}
-        with self.generation(release=False):  # one offload for all eval sets; the weights stay
+        with phase("eval"), self.generation(release=False):  # one offload for all eval sets; the weights stay
             for ev in self.data.evals:
                 s = {"n_samples": cfg.eval.n_samples, "temperature": cfg.eval.temperature,
                      "top_p": cfg.eval.top_p, "max_new_tokens": cfg.eval.max_new_tokens, **ev.sampling}
@@ -116,7 +117,7 @@ class RunComponents:
         state.data = self.data.train.state_dict()
         models = {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
         checkpoint.save_checkpoint(self.cfg.trainer.run_dir, state.step, models, state.state_dict(),
-                                   self.cfg.trainer.keep_last)
+                                   self.cfg.trainer.keep_last, self.cfg.trainer.async_save)
 
     def resume(self, state: TrainerState) -> None:
         """Loads the newest complete checkpoint of the run dir into the models and `state`."""

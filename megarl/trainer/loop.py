@@ -1,7 +1,8 @@
 """The RL loop, top to bottom. Colocated SPMD: every rank runs this file under torchrun.
 
-step:  rollout (generate, reward, shape, filter) -> prepare (old log-probs, ref log-probs,
-       values) -> advantages -> critic update -> actor update -> weight sync -> log/eval/save
+step:  rollout (generate, reward, shape, filter; T-PPO: one window of every active sample) ->
+       prepare (old log-probs, ref log-probs, values, off-policy correction) -> advantages ->
+       critic update -> actor update -> weight sync -> log/eval/save
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ import time
 from megarl.parallel.distributed import init_distributed
 from megarl.trainer import ppo
 from megarl.trainer.batch import StepBatch
+from megarl.trainer.checkpoint import finalize_async_saves
 from megarl.trainer.components import build_components
 from megarl.trainer.progress import Progress
-from megarl.trainer.rollout import collect_function
+from megarl.trainer.rollout import step_collector
 from megarl.trainer.state import TrainerState
 
 
@@ -22,7 +24,7 @@ def train(cfg) -> dict:
     init_distributed(cfg.parallel, seed=cfg.trainer.seed)
     run = build_components(cfg)
     al, tr, timer = cfg.algorithm, cfg.trainer, run.timer
-    collect = collect_function(cfg)
+    collect = step_collector(cfg, run)
     kl = ppo.kl_controller(cfg)
     state = TrainerState(kl_coef=kl.value)
     if tr.resume:
@@ -38,7 +40,7 @@ def train(cfg) -> dict:
         t_step = time.perf_counter()
         # ---- rollout -----------------------------------------------------------------------------
         with timer("rollout"), run.generation(release=True):
-            trajs, metrics = collect(run.next_items, run.data.encode, run.worker, cfg, step, state.carried_groups)
+            trajs, metrics = collect(step, state)
         batch = StepBatch.from_trajectories(trajs)
         ppo.set_masks(batch, cfg)
         rows, minibatches = ppo.local_minibatches(
@@ -53,6 +55,7 @@ def train(cfg) -> dict:
                 local.ref_logprobs = ppo.compute_log_probs(run.ref, local, cfg.rollout.temperature)
             if run.critic is not None:
                 local.values = ppo.compute_values(run.critic, local)
+            metrics.update(ppo.rollout_correction(local, cfg, run.dp_group))
             metrics.update(ppo.compute_advantages(batch, local, rows, cfg, run.dp_group, kl.value, pretraining_critic))
 
         # ---- train -------------------------------------------------------------------------------
@@ -87,6 +90,7 @@ def train(cfg) -> dict:
             last_eval = run.evaluate(state.step)
         if (tr.save_interval and state.step % tr.save_interval == 0) or last:
             run.save(state)
+        finalize_async_saves(blocking=last)  # trainer.async_save: `latest` moves once the writes finished
         progress.update(state.step, reward=metrics.get("reward/accuracy", 0.0), eval=last_eval.get("eval/accuracy"))
     progress.close()
     run.logger.close()

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from megarl.parallel.distributed import phase
+
 
 class MetricsLogger:
     def __init__(self, run_dir: str | Path, tensorboard: bool = True):
@@ -42,7 +44,8 @@ class MetricsLogger:
 
 
 class PhaseTimer:
-    """Accumulates wall time per phase: `with timer("rollout"): ...` -> metrics time/rollout."""
+    """Accumulates wall time per phase: `with timer("rollout"): ...` -> metrics time/rollout
+    (and names the phase meanwhile: megarl.parallel.distributed.phase)."""
 
     def __init__(self):
         self.times: dict[str, float] = {}
@@ -51,7 +54,8 @@ class PhaseTimer:
     def __call__(self, name: str):
         t0 = time.perf_counter()
         try:
-            yield
+            with phase(name):
+                yield
         finally:
             self.times[f"time/{name}"] = self.times.get(f"time/{name}", 0.0) + time.perf_counter() - t0
 

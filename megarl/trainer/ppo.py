@@ -18,7 +18,6 @@ from megarl import algorithms as A
 from megarl.data.packing import balance_across_dp
 from megarl.parallel.distributed import device
 from megarl.plugins import is_dotted_path, resolve
-from megarl.trainer import vocab_parallel
 from megarl.trainer.batch import MicroBatch, StepBatch
 
 CRITIC_ADVANTAGES = ("gae", "egae")
@@ -34,13 +33,17 @@ def split_minibatches(batch: StepBatch, mini_batch_size: int, seed: int, dp_rank
                       dp_size: int) -> list[list[int]]:
     """Shuffles the step's rows (seeded, same on all ranks), cuts them into mini-batches of
     `mini_batch_size` samples, and returns this DP rank's token-balanced share of each (rows of
-    `batch`)."""
+    `batch`). A last mini-batch with fewer samples than DP ranks (T-PPO batches vary in size)
+    joins the one before it."""
     order = list(range(len(batch)))
     random.Random(seed).shuffle(order)
     lengths = batch.lengths
+    chunks = [order[s : s + mini_batch_size] for s in range(0, len(order), mini_batch_size)]
+    if len(chunks) > 1 and len(chunks[-1]) < dp_size:
+        tail = chunks.pop()
+        chunks[-1] += tail
     out = []
-    for s in range(0, len(order), mini_batch_size):
-        mb = order[s : s + mini_batch_size]
+    for mb in chunks:
         shares = balance_across_dp([lengths[i] for i in mb], dp_size)
         out.append([mb[i] for i in shares[dp_rank]])
     return out
@@ -63,25 +66,27 @@ def local_minibatches(minibatches: list[list[int]]) -> tuple[list[int], list[lis
 
 
 def set_masks(batch: StepBatch, cfg) -> None:
-    """loss_mask: response tokens that count for the policy (the DAPO overlong filter zeroes
-    samples cut by the length cap); value_mask: tokens that train the critic (T-PPO / EGAE:
-    finished samples only)."""
+    """loss_mask: response tokens that count for the policy: the current T-PPO window's (all of
+    them without windows, or with algorithm.retrain_earlier_windows), minus samples cut by the
+    length cap under the DAPO overlong filter; value_mask: tokens that train the critic (T-PPO /
+    EGAE: finished samples only). megarl.algorithms.tppo.tppo_masks."""
     al = cfg.algorithm
     cut = torch.tensor([al.overlong_filter and f == "length" for f in batch.finish_reason])
     unfinished = batch.truncated & (al.advantage == "egae")
-    batch.loss_mask = batch.response_mask * (~cut).float().unsqueeze(1)
-    batch.value_mask = batch.response_mask * (~unfinished).float().unsqueeze(1)
+    window_start = batch.window_start if batch.window_start is not None else torch.zeros(len(batch), dtype=torch.long)
+    policy, batch.value_mask = A.tppo_masks(batch.response_mask, window_start, unfinished, al.retrain_earlier_windows)
+    batch.loss_mask = policy * (~cut).float().unsqueeze(1)
 
 
 # ---- prepare ----------------------------------------------------------------------------------
 def compute_log_probs(model, batch: StepBatch, temperature: float) -> torch.Tensor:
     """[B, T] log-probs of the response tokens under `model` (logits / temperature)."""
     return model.forward_only(
-        batch, lambda mb, logits: mb.gather(vocab_parallel.token_log_probs(logits, mb.targets, temperature)))
+        batch, lambda mb, logits: mb.log_probs(logits, temperature))
 
 
 def compute_values(critic, batch: StepBatch) -> torch.Tensor:
-    return critic.forward_only(batch, lambda mb, values: mb.gather(values.reshape(-1).float()))
+    return critic.forward_only(batch, lambda mb, values: mb.values(values))
 
 
 # ---- advantages -------------------------------------------------------------------------------
@@ -104,9 +109,12 @@ def _params(cfg, value_pretraining: bool) -> A.AdvantageParams:
     return p
 
 
-def _dp_all_reduce(t: torch.Tensor, dp_group) -> torch.Tensor:
+def _dp_all_reduce(t: torch.Tensor, dp_group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """All-reduce over data parallelism (the identity in a process without torch.distributed)."""
+    if not dist.is_initialized():
+        return t
     t = t.to(device())
-    dist.all_reduce(t, group=dp_group)
+    dist.all_reduce(t, op=op, group=dp_group)
     return t.cpu()
 
 
@@ -154,7 +162,7 @@ def compute_advantages(batch: StepBatch, local: StepBatch, local_rows: list[int]
         inputs = A.AdvantageInputs(token_rewards=full_rewards, mask=batch.response_mask, group_index=batch.uid,
                                    baseline_scores=batch.baseline_score)
         adv, _ = estimator(inputs, params)
-        local.advantages = adv[torch.tensor(local_rows, dtype=torch.long)] * local.response_mask
+        local.advantages = _weighted(adv[torch.tensor(local_rows, dtype=torch.long)] * local.response_mask, local)
         local.returns = local.advantages
         return metrics
     inputs = A.AdvantageInputs(token_rewards=rewards, mask=local.response_mask, values=local.values,
@@ -164,9 +172,29 @@ def compute_advantages(batch: StepBatch, local: StepBatch, local_rows: list[int]
         moments = _dp_all_reduce(A.masked_moments(adv, local.loss_mask).double(), dp_group)
         mean, var = A.stats_from_moments(moments)
         adv = (adv - mean.float()) * torch.rsqrt(var.float() + 1e-8)
-    local.advantages = adv * local.response_mask
+    local.advantages = _weighted(adv * local.response_mask, local)
     local.returns = returns * local.response_mask
     return metrics
+
+
+def _weighted(advantages: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+    """Advantages times the rollout IS weights, when set: for the weightable policy losses this is
+    the weighted policy-gradient term (megarl.algorithms.offpolicy); critic targets are unweighted."""
+    return advantages if batch.is_weights is None else advantages * batch.is_weights
+
+
+def rollout_correction(batch: StepBatch, cfg, dp_group) -> dict[str, float]:
+    """algorithm.rollout_is (megarl.algorithms.offpolicy): sets batch.is_weights from the trainer's
+    old log-probs and the engine's, over the policy-loss tokens; MIS also takes the tokens above
+    the threshold out of batch.loss_mask. Metrics over every DP rank's tokens."""
+    mode = cfg.algorithm.rollout_is
+    if mode is None:
+        return {}
+    batch.is_weights, batch.loss_mask, stats = A.rollout_is_weights(
+        batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask, mode, cfg.algorithm.rollout_is_cap)
+    sums = _dp_all_reduce(stats[:4], dp_group)
+    peak = _dp_all_reduce(stats[4:], dp_group, dist.ReduceOp.MAX)
+    return A.rollout_is_metrics(torch.cat([sums, peak]), mode)
 
 
 def explained_variance(batch: StepBatch, dp_group) -> dict[str, float]:
@@ -179,23 +207,30 @@ def explained_variance(batch: StepBatch, dp_group) -> dict[str, float]:
 
 
 def logprob_mismatch(batch: StepBatch, dp_group) -> dict[str, float]:
-    """Mean |rollout log-prob - trainer log-prob| over response tokens (diagnostic, ALGORITHMS §0)."""
-    d = (batch.rollout_logprobs - batch.old_logprobs).abs() * batch.response_mask
-    s = _dp_all_reduce(torch.stack([d.sum(), batch.response_mask.sum()]).double(), dp_group)
-    return {"rollout/logprob_mismatch": float(s[0] / s[1].clamp(min=1.0))}
+    """Mean and max |rollout log-prob - trainer log-prob| over the tokens the engine generated
+    with the weights the trainer holds (the latest T-PPO window; every response token without
+    windows): the engine/trainer numerical mismatch (diagnostic, ALGORITHMS §0). Earlier
+    windows' tokens came from older weights; `rollout_correction` weighs those."""
+    mask = batch.window_mask
+    d = (batch.rollout_logprobs - batch.old_logprobs).abs() * mask
+    s = _dp_all_reduce(torch.stack([d.sum(), mask.sum()]).double(), dp_group)
+    peak = _dp_all_reduce(d.max().reshape(1).double() if d.numel() else torch.zeros(1, dtype=torch.float64),
+                          dp_group, dist.ReduceOp.MAX)
+    return {"rollout/logprob_mismatch": float(s[0] / s[1].clamp(min=1.0)),
+            "rollout/logprob_mismatch_max": float(peak[0])}
 
 
 # ---- updates ----------------------------------------------------------------------------------
 def global_counts(batch: StepBatch, rows: list[int], dp_group, mask: torch.Tensor) -> dict[str, float]:
     """Token / sequence counts of a mini-batch over all DP ranks (the loss denominators), and
-    those of its positive (acc) samples for VAPO's NLL term."""
+    those of its positive (acc) samples for VAPO's NLL term; `empty`: no token counts at all."""
     m = mask[torch.tensor(rows, dtype=torch.long)] if rows else mask[:0]
     pos = batch.acc[torch.tensor(rows, dtype=torch.long)].float() if rows else torch.zeros(0)
     tok = m.sum(-1)
     local = torch.stack([tok.sum(), (tok > 0).float().sum(), (tok * pos).sum(), ((tok > 0).float() * pos).sum()])
     tok, seq, pos_tok, pos_seq = _dp_all_reduce(local.double(), dp_group).tolist()
     return {"tokens": max(tok, 1.0), "seqs": max(seq, 1.0), "pos_tokens": max(pos_tok, 1.0),
-            "pos_seqs": max(pos_seq, 1.0)}
+            "pos_seqs": max(pos_seq, 1.0), "empty": tok == 0}
 
 
 def _share(metrics: dict[str, torch.Tensor], n_local: float, n_global: float, prefix: str) -> dict[str, torch.Tensor]:
@@ -221,7 +256,7 @@ def actor_loss_fn(cfg, counts: dict[str, float], temperature: float):
 
     def loss_fn(mb: MicroBatch, logits):
         d = mb.data
-        logp = mb.gather(vocab_parallel.token_log_probs(logits, mb.targets, temperature))
+        logp = mb.log_probs(logits, temperature)
         mask = d.loss_mask
         loss, m = policy_loss(logp, d.old_logprobs, d.advantages, mask, al.clip_low, al.clip_high, al.clip_c,
                               agg=al.loss_agg, **denominators, **objective)
@@ -232,8 +267,7 @@ def actor_loss_fn(cfg, counts: dict[str, float], temperature: float):
             loss = loss + al.kl_coef * kl_loss
             logs["actor/kl_loss"] = kl_loss.detach()
         with torch.set_grad_enabled(al.entropy_coef > 0 and torch.is_grad_enabled()):
-            flat = logits.reshape(-1, logits.shape[-1])[mb.resp_index.reshape(-1)]  # response positions only
-            ent = vocab_parallel.entropy(flat, temperature).reshape(mask.shape)
+            ent = mb.entropy(logits, temperature)
             ent_agg = A.agg_loss(ent, mask, al.loss_agg, **denominators)
         if al.entropy_coef > 0:
             loss = loss - al.entropy_coef * ent_agg
@@ -252,7 +286,7 @@ def critic_loss_fn(cfg, counts: dict[str, float]):
 
     def loss_fn(mb: MicroBatch, values):
         d = mb.data
-        v = mb.gather(values.reshape(-1).float())
+        v = mb.values(values)
         loss, m = A.value_loss(v, d.values, d.returns, d.value_mask, al.value_clip, "token-mean", counts["tokens"])
         logs = _share(m, float(d.value_mask.sum()), counts["tokens"], "critic")
         logs["critic/value_loss"] = loss.detach()
@@ -264,10 +298,16 @@ def critic_loss_fn(cfg, counts: dict[str, float]):
 def update(model, batch: StepBatch, minibatches: list[list[int]], loss_factory, dp_group,
            mask: torch.Tensor) -> dict[str, float]:
     """One optimizer step per mini-batch (rows of `batch`); metrics averaged over mini-batches.
-    `mask` ([B, T] of `batch`) gives the loss denominators: loss_mask or value_mask."""
+    `mask` ([B, T] of `batch`) gives the loss denominators: loss_mask or value_mask. A mini-batch
+    with no such token on any DP rank is skipped (T-PPO: the critic when no sample in it finished;
+    an optimizer step on zero gradients would still move Adam's momentum and weight decay)."""
+    counts = [global_counts(batch, rows, dp_group, mask) for rows in minibatches]
+    todo = [(rows, c) for rows, c in zip(minibatches, counts) if not c["empty"]]
     totals: dict[str, float] = {}
-    for rows in minibatches:
-        metrics = model.train_step(batch, loss_factory(global_counts(batch, rows, dp_group, mask)), rows)
+    role = "critic" if model.value_head else "actor"
+    for rows, c in todo:
+        metrics = model.train_step(batch, loss_factory(c), rows)
+        metrics[f"{role}/grad_norm"] = metrics.pop("grad_norm")  # actor and critic both report one
         for k, v in metrics.items():
-            totals[k] = totals.get(k, 0.0) + v / len(minibatches)
+            totals[k] = totals.get(k, 0.0) + v / len(todo)
     return totals

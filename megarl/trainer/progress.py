@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import rich.progress  # noqa: F401 - at import, before any seeding: rich draws from Python's global RNG when imported
+
 
 class Progress:
     def __init__(self, name: str, total: int, start: int = 0, enabled: bool = True):

@@ -3,18 +3,21 @@
 Every rank holds a rollout engine replica (colocated SPMD; SGLang: one engine per rollout_tp
 ranks). Prompts are split across the engines, each engine generates and scores its share, and
 the trajectories are all-gathered so every rank sees the same batch in the same order.
+With rollout.window_tokens the phase is T-PPO's successive batching (megarl/trainer/windows.py),
+which generates through `RolloutWorker.generate_window`.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from megarl.algorithms import overlong_penalty
 from megarl.data.sampler import shard_for_rank
-from megarl.rollout import SamplingParams
+from megarl.rollout import Sample, SamplingParams
 from megarl.trainer.batch import Trajectory
 
 log = logging.getLogger(__name__)
@@ -24,8 +27,11 @@ def sampling_from_config(rollout, *, seed: int) -> SamplingParams:
     return SamplingParams(
         n=rollout.n_samples_per_prompt, temperature=rollout.temperature, top_p=rollout.top_p,
         top_k=rollout.top_k, max_new_tokens=rollout.max_new_tokens, seed=seed, fire=rollout.fire,
-        fire_temperature=rollout.fire_temperature, fire_top_k=rollout.fire_top_k,
+        fire_temperature=rollout.fire_temperature, fire_top_k=rollout.fire_top_k, window=rollout.window_tokens,
     )
+
+
+PEAK_METRICS = ("rollout/kv_cache_gb",)  # worker metrics that are maxima, not counts or sums
 
 
 def all_gather_list(local: list) -> list:
@@ -70,14 +76,76 @@ class RolloutWorker:
                 trajs, reward_metrics = self._score(local_items, samples)
         gathered = all_gather_list(trajs)
         self.metrics = _sum_over_ranks(reward_metrics)
+        if hasattr(self.engine, "kv_cache_bytes"):  # builtin engine: the largest KV cache of this call on any rank
+            kv = self.engine.kv_cache_bytes if local_items else 0
+            self.metrics["rollout/kv_cache_gb"] = max(all_gather_list([kv])) / 2**30
+        return gathered
+
+    def generate_window(self, items, encoded: list[list[int]], carried: list[tuple[Any, Trajectory]],
+                        sampling: SamplingParams) -> list[Trajectory]:
+        """T-PPO: one window (at most `sampling.window` new tokens) for every active sample.
+
+        items / encoded: new prompts, `sampling.n` responses each; carried: (prompt item,
+        unfinished trajectory) pairs, continued under the current weights (an empty response
+        starts over). Each engine takes its share of both and runs them as one `continue_samples`
+        call (a new response continues an empty one), so they decode in one batch. Finished
+        samples are scored, unfinished ones ("truncated") score 0 until they finish. Gathered as
+        in `generate` (a process without torch.distributed is one engine).
+        """
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        replica, n_replicas = rank // self.ranks_per_engine, world // self.ranks_per_engine
+        fresh = [(item, Trajectory(item.uid, list(ids), [], [], "truncated"), True)
+                 for item, ids in zip(items, encoded) for _ in range(sampling.n)]
+        work = shard_for_rank([(item, t, False) for item, t in carried] + fresh, replica, n_replicas)
+        active: list[tuple[Any, Trajectory | None, Sample]] = []  # (item, carried trajectory or None, sample)
+        if work:
+            cont = SamplingParams(**{**sampling.__dict__, "n": 1, "seed": (sampling.seed or 0) * 1009 + replica})
+            samples = self.engine.continue_samples([_as_sample(t, i) for i, (_, t, _) in enumerate(work)], cont)
+            active = [(item, None if new else t, s) for (item, t, new), s in zip(work, samples)]
+        trajs: list[Trajectory] = []
+        reward_metrics: dict[str, float] = {}
+        if active and rank % self.ranks_per_engine == 0:
+            trajs, reward_metrics = self._score_window(active)
+        gathered = all_gather_list(trajs)
+        self.metrics = _sum_over_ranks(reward_metrics)
+        if hasattr(self.engine, "kv_cache_bytes"):  # builtin engine: the largest KV cache of this call on any rank
+            kv = self.engine.kv_cache_bytes if work else 0
+            self.metrics["rollout/kv_cache_gb"] = max(all_gather_list([kv])) / 2**30
         return gathered
 
     def _score(self, items, samples) -> tuple[list[Trajectory], dict[str, float]]:
+        per_sample = [items[s.index] for s in samples]
+        scores, accs, metrics = self._rewards(per_sample, samples)
+        trajs = [Trajectory(uid=item.uid, prompt_ids=list(s.prompt_ids), response_ids=list(s.response_ids),
+                            rollout_logprobs=list(s.logprobs), finish_reason=s.finish_reason, score=score, acc=acc,
+                            data_source=item.data_source, policy_version=self.policy_version)
+                 for item, s, score, acc in zip(per_sample, samples, scores, accs)]
+        return trajs, metrics
+
+    def _score_window(self, active) -> tuple[list[Trajectory], dict[str, float]]:
+        done = [k for k, (_, _, s) in enumerate(active) if s.finish_reason != "truncated"]
+        scores, accs, metrics = self._rewards([active[k][0] for k in done], [active[k][2] for k in done])
+        result = dict(zip(done, zip(scores, accs)))
+        trajs = []
+        for k, (item, prior, s) in enumerate(active):
+            score, acc = result.get(k, (0.0, False))
+            trajs.append(Trajectory(
+                uid=item.uid, prompt_ids=list(s.prompt_ids), response_ids=list(s.response_ids),
+                rollout_logprobs=list(s.logprobs), finish_reason=s.finish_reason, score=score, acc=acc,
+                data_source=item.data_source, policy_version=self.policy_version,
+                window_start=len(prior.response_ids) if prior is not None else 0,
+                start_version=prior.first_version if prior is not None else self.policy_version,
+            ))
+        return trajs, metrics
+
+    def _rewards(self, items, samples) -> tuple[list[float], list[bool], dict[str, float]]:
+        """Shaped scores (R + overlong punishment) and correctness of samples[i] for items[i]."""
         from megarl.rewards import RewardInput
 
+        if not samples:
+            return [], [], {}
         inputs = []
-        for s in samples:
-            item = items[s.index]
+        for item, s in zip(items, samples):
             text = s.text or self.tokenizer.decode(s.response_ids, skip_special_tokens=True)
             inputs.append(RewardInput(data_source=item.data_source, prompt=item.prompt, response=text,
                                       gold=item.answer, reference=item.reference, extra=item.extra))
@@ -86,16 +154,13 @@ class RolloutWorker:
         lengths = torch.tensor([len(s.response_ids) for s in samples])
         shaping = (overlong_penalty(lengths, overlong_max_len(self.cfg), algo.overlong_cache_len, algo.overlong_factor)
                    if algo.overlong_penalty else torch.zeros(len(samples)))
-        trajs = []
-        for s, out, extra in zip(samples, outputs, shaping.tolist()):
-            item = items[s.index]
-            trajs.append(Trajectory(
-                uid=item.uid, prompt_ids=list(s.prompt_ids), response_ids=list(s.response_ids),
-                rollout_logprobs=list(s.logprobs), finish_reason=s.finish_reason,
-                score=float(out.score) + extra, acc=bool(out.acc), data_source=item.data_source,
-                policy_version=self.policy_version,
-            ))
-        return trajs, {k: float(v) for k, v in metrics.items()}
+        return ([float(out.score) + extra for out, extra in zip(outputs, shaping.tolist())],
+                [bool(out.acc) for out in outputs], {k: float(v) for k, v in metrics.items()})
+
+
+def _as_sample(t: Trajectory, index: int) -> Sample:
+    return Sample(prompt_ids=list(t.prompt_ids), response_ids=list(t.response_ids), logprobs=list(t.rollout_logprobs),
+                  finish_reason="truncated", index=index)
 
 
 def overlong_max_len(cfg) -> int:
@@ -135,9 +200,9 @@ def collect_step_batch(next_items, encode, worker: RolloutWorker, cfg, step: int
     all_generated: list[Trajectory] = []
     if not cfg.algorithm.dynamic_sampling:
         items = next_items(ro.prompts_per_step)
-        trajs = _generate(worker, items, encode(items), cfg, _seed(cfg, step, 0))
+        trajs = _generate(worker, items, encode(items), cfg, step_seed(cfg, step, 0))
         stats["rollout/rounds"] = 1.0
-        return trajs, {**stats, **_generation_metrics(trajs, trajs), **worker.metrics}
+        return trajs, {**stats, **generation_metrics(trajs, trajs), **worker.metrics}
     reward_metrics: dict[str, float] = {}
     rnd = 0
     while len(buffer) < ro.prompts_per_step:
@@ -148,10 +213,10 @@ def collect_step_batch(next_items, encode, worker: RolloutWorker, cfg, step: int
                 "easy or too hard for the policy — raise rollout.max_gen_batches or change the data"
             )
         items = next_items(ro.gen_batch_prompts or ro.prompts_per_step)
-        trajs = _generate(worker, items, encode(items), cfg, _seed(cfg, step, rnd))
+        trajs = _generate(worker, items, encode(items), cfg, step_seed(cfg, step, rnd))
         all_generated.extend(trajs)
-        for k, v in worker.metrics.items():  # counts and sums: add up over the rounds
-            reward_metrics[k] = reward_metrics.get(k, 0.0) + v
+        for k, v in worker.metrics.items():  # counts and sums: add up over the rounds; peaks: the largest
+            reward_metrics[k] = max(reward_metrics.get(k, 0.0), v) if k in PEAK_METRICS else reward_metrics.get(k, 0.0) + v
         groups = group_by_uid(trajs)
         buffer.extend(keep_mixed_groups(groups))
         stats["rollout/generated_groups"] += len(groups)
@@ -162,7 +227,7 @@ def collect_step_batch(next_items, encode, worker: RolloutWorker, cfg, step: int
         buffer.clear()  # ALGORITHMS.md §2: truncate to exactly prompts_per_step groups
     batch = [t for g in taken for t in g]
     stats["rollout/kept_group_frac"] = len(taken) / max(stats["rollout/generated_groups"], 1.0)
-    return batch, {**stats, **_generation_metrics(all_generated or batch, batch), **reward_metrics}
+    return batch, {**stats, **generation_metrics(all_generated or batch, batch), **reward_metrics}
 
 
 def greedy_sampling(sampling: SamplingParams) -> SamplingParams:
@@ -194,14 +259,31 @@ def collect_function(cfg):
     return import_object(cfg.rollout.function, "rollout.function") if cfg.rollout.function else collect_step_batch
 
 
-def _seed(cfg, step: int, rnd: int) -> int:
+def step_collector(cfg, run):
+    """The rollout phase of the loop as `collect(step, state) -> (trajectories, metrics)`: T-PPO
+    successive batching with rollout.window_tokens (state.in_flight carries unfinished samples),
+    else one batch per step from `collect_function(cfg)` (state.carried_groups: its buffer)."""
+    if cfg.rollout.window_tokens:
+        from megarl.trainer.windows import SuccessiveBatching
+
+        return SuccessiveBatching(cfg, run.worker, run.next_items, run.data.encode, run.data.train.dataset)
+    collect = collect_function(cfg)
+    return lambda step, state: collect(run.next_items, run.data.encode, run.worker, cfg, step, state.carried_groups)
+
+
+def step_seed(cfg, step: int, rnd: int) -> int:
     return cfg.trainer.seed * 1_000_003 + step * 101 + rnd
 
 
-def _generation_metrics(generated: list[Trajectory], batch: list[Trajectory]) -> dict[str, float]:
+LENGTH_QUANTILES = (10, 25, 50, 75, 90, 99)  # response_length/p<q> (tools/sim_rollout.py reads them)
+
+
+def generation_metrics(generated: list[Trajectory], batch: list[Trajectory]) -> dict[str, float]:
     """Reward / accuracy over everything generated this step; lengths over the training batch."""
     n = max(len(generated), 1)
     lengths = [len(t.response_ids) for t in batch] or [0]
+    q = torch.quantile(torch.tensor(lengths, dtype=torch.float64), torch.tensor([p / 100 for p in LENGTH_QUANTILES],
+                                                                                 dtype=torch.float64)).tolist()
     extra = {}
     if batch and all(t.baseline_score is not None for t in batch):  # ReMax
         extra["reward/greedy_baseline_mean"] = sum(t.baseline_score for t in batch) / len(batch)
@@ -211,5 +293,7 @@ def _generation_metrics(generated: list[Trajectory], batch: list[Trajectory]) ->
         "reward/accuracy": sum(t.acc for t in generated) / n,
         "response_length/mean": sum(lengths) / len(lengths),
         "response_length/max": float(max(lengths)),
+        "response_length/min": float(min(lengths)),
+        **{f"response_length/p{p}": v for p, v in zip(LENGTH_QUANTILES, q)},
         "response_length/clip_ratio": sum(t.finish_reason == "length" for t in batch) / max(len(batch), 1),
     }

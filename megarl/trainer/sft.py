@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.parallel.distributed import init_distributed
-from megarl.trainer import build, ppo, vocab_parallel
+from megarl.trainer import build, ppo
 from megarl.trainer.batch import MicroBatch, StepBatch, Trajectory
 from megarl.trainer.metrics import MetricsLogger
 from megarl.trainer.progress import Progress
@@ -58,7 +58,7 @@ def load_sft_rows(path: str, tokenizer, max_len: int) -> tuple[list[Trajectory],
 
 def nll_loss_fn(counts: dict[str, float]):
     def loss_fn(mb: MicroBatch, logits):
-        logp = mb.gather(vocab_parallel.token_log_probs(logits, mb.targets))
+        logp = mb.log_probs(logits)
         loss = -(logp * mb.data.loss_mask).sum() / counts["tokens"]
         return loss, {"sft/nll": loss.detach()}
 

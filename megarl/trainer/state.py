@@ -1,5 +1,6 @@
 """The resumable state of an RL run besides the models: step, data position, RNG, carried
-samples, the KL coefficient. One object, saved in every checkpoint as `trainer_state.pt`
+samples (dynamic-sampling groups; T-PPO's unfinished responses), the KL coefficient. One object,
+saved in every checkpoint as `trainer_state.pt`
 (tensors and plain values only: it loads with torch.load(weights_only=True))."""
 
 from __future__ import annotations
@@ -19,16 +20,19 @@ class TrainerState:
     data: dict = field(default_factory=dict)  # the prompt sampler's state_dict
     carried_groups: list[list[Trajectory]] = field(default_factory=list)  # dynamic-sampling groups for the next step
     kl_coef: float = 0.0  # current KL coefficient (changes under the adaptive controller)
+    in_flight: list[Trajectory] = field(default_factory=list)  # T-PPO: unfinished responses for the next window
 
     def state_dict(self) -> dict:
         """This state plus the global RNG states (python, numpy, torch), as of now."""
         return {"step": self.step, "data": self.data, "kl_coef": self.kl_coef,
-                "carried_groups": [[t.state() for t in g] for g in self.carried_groups], "rng": _get_rng()}
+                "carried_groups": [[t.state() for t in g] for g in self.carried_groups],
+                "in_flight": [t.state() for t in self.in_flight], "rng": _get_rng()}
 
     def load_state_dict(self, sd: dict) -> None:
         """Restores the state and the global RNG states saved with it."""
         self.step, self.data, self.kl_coef = int(sd["step"]), sd["data"], float(sd["kl_coef"])
         self.carried_groups = [[Trajectory(**t) for t in g] for g in sd["carried_groups"]]
+        self.in_flight = [Trajectory(**t) for t in sd.get("in_flight", [])]  # absent in pre-T-PPO checkpoints
         _set_rng(sd["rng"])
 
 

@@ -46,7 +46,7 @@ def lr_at(step: int, optim, total_steps: int) -> float:
 class TrainModel:
     def __init__(self, hf_config, optim=None, *, value_head: bool = False, dtype: str = "fp32",
                  impl: str = "local", total_steps: int = 1, padded_vocab: int | None = None, seed: int = 0,
-                 batching=None, model_options: dict | None = None):
+                 batching=None, model_options: dict | None = None, logprob_chunk_tokens: int = 4096):
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads
@@ -57,16 +57,16 @@ class TrainModel:
         self.optim_cfg = optim
         self.value_head = value_head
         self.total_steps = total_steps
-        self.use_te = impl in ("te", "transformer_engine")
         batching = batching or optim  # micro-batching settings (an OptimConfig); ref models borrow the actor's
         self.max_tokens = batching.max_tokens_per_microbatch if batching else 32768
-        self.row_tokens = None if self.use_te or not batching else batching.pack_row_tokens
+        self.chunk_tokens = logprob_chunk_tokens
         self.hf_source_dir: str | None = None  # copied into checkpoints (tokenizer files)
         chunks = build_model(hf_config, value_head=value_head, dtype=dtype, impl=impl,
                              padded_vocab=padded_vocab, seed=seed, config_overrides=model_options)
         self.chunks = chunks if isinstance(chunks, list) else [chunks]
         self.config = self.chunks[0].config
-        self.pad_multiple = sequence_pad_multiple(self.config, self.use_te)
+        self.pad_multiple = sequence_pad_multiple(self.config)
+        self.cp_rank, self.cp_size = ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()
         self.optimizer = None
         self._offloaded = False
         if optim is not None:
@@ -120,11 +120,13 @@ class TrainModel:
 
     def microbatches(self, batch: StepBatch, rows: list[int] | None = None) -> list[MicroBatch]:
         """Token-budget micro-batches (first-fit-decreasing, whole sequences) of `rows` (default
-        all), packed into rows; host tensors, moved to the device one at a time by the schedule."""
+        all), each one packed THD row cut to this CP rank's chunks; host tensors, moved to the
+        device one at a time by the schedule."""
         rows = list(range(len(batch))) if rows is None else rows
         if not rows:
             return []
-        return split_microbatches(batch, rows, self.max_tokens, self.row_tokens, self.pad_multiple)
+        mbs = split_microbatches(batch, rows, self.max_tokens, self.pad_multiple, self.chunk_tokens)
+        return [mb.cp_shard(self.cp_rank, self.cp_size) for mb in mbs] if self.cp_size > 1 else mbs
 
     # ---- GPU memory between phases -----------------------------------------------------------
     def offload(self) -> None:
@@ -169,10 +171,7 @@ class TrainModel:
     def _forward_step(self, loss_fn: LossFn, scale: float):
         def forward_step(data_iterator, model):
             mb: MicroBatch = next(data_iterator).to(device())
-            if self.use_te:
-                out = model(mb.input_ids, mb.position_ids, None, packed_seq_params=_thd_params(mb.cu_seqlens))
-            else:
-                out = model(mb.input_ids, mb.position_ids, mb.attention_mask())
+            out = model(mb.input_ids, mb.position_ids, None, packed_seq_params=thd_params(mb.cu_seqlens))
 
             def loss_func(output):
                 loss, logs = loss_fn(mb, output)
@@ -298,19 +297,18 @@ def _torch_dtype(name: str) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
-def sequence_pad_multiple(config, use_te: bool) -> int:
-    """Every packed sequence is padded to a multiple of this: TP with sequence parallelism splits
-    the token dimension over TP ranks; FP8 GEMMs need token counts divisible by 16; CP (THD)
-    splits every sequence into 2*CP chunks."""
-    m = config.tensor_model_parallel_size if config.sequence_parallel else 1
+def sequence_pad_multiple(config) -> int:
+    """Every packed sequence is padded to a multiple of this: CP splits every sequence into 2*CP
+    chunks, and with sequence parallelism each of them over the TP ranks; FP8 GEMMs need token
+    counts divisible by 16."""
+    cp = config.context_parallel_size
+    m = (2 * cp if cp > 1 else 1) * (config.tensor_model_parallel_size if config.sequence_parallel else 1)
     if config.fp8:
         m = math.lcm(m, 16)
-    if use_te and config.context_parallel_size > 1:
-        m = math.lcm(m, 2 * config.context_parallel_size)
     return m
 
 
-def _thd_params(cu_seqlens: torch.Tensor):
+def thd_params(cu_seqlens: torch.Tensor):
     from megatron.core.packed_seq_params import PackedSeqParams
 
     cu = cu_seqlens.to(dtype=torch.int32)

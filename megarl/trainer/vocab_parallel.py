@@ -31,8 +31,8 @@ def token_log_probs(logits: torch.Tensor, targets: torch.Tensor, temperature: fl
     return -vocab_parallel_cross_entropy(scaled, targets)
 
 
-class _AllReduceSum(torch.autograd.Function):
-    """Sum over the TP group in forward, identity in backward (each rank owns its partial sum)."""
+class AllReduceSum(torch.autograd.Function):
+    """Sum over a group in forward, identity in backward (each rank owns its partial sum)."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -60,7 +60,7 @@ def entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     sum_e = e.sum(-1)
     sum_ex = (e * x).sum(-1)
     if world > 1:
-        sum_e = _AllReduceSum.apply(sum_e, group)
-        sum_ex = _AllReduceSum.apply(sum_ex, group)
+        sum_e = AllReduceSum.apply(sum_e, group)
+        sum_ex = AllReduceSum.apply(sum_ex, group)
     log_z = m + torch.log(sum_e)
     return log_z - sum_ex / sum_e

@@ -56,8 +56,12 @@ def model_sharded_state_dict(model_chunks) -> dict:
 
 
 def save_megatron_checkpoint(model_chunks, ckpt_dir: str | Path, hf_config: Any,
-                             hf_source_dir: str | Path | None = None) -> None:
-    """Collective: saves the model as torch_dist plus HF config/tokenizer files and metadata."""
+                             hf_source_dir: str | Path | None = None, async_requests: list | None = None) -> None:
+    """Collective: saves the model as torch_dist plus HF config/tokenizer files and metadata.
+
+    With `async_requests` (a list), the shards are not written here: megatron's async save
+    request is appended for the caller to schedule (megarl.trainer.checkpoint); its metadata
+    files appear only when the request is finalised."""
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
@@ -71,10 +75,14 @@ def save_megatron_checkpoint(model_chunks, ckpt_dir: str | Path, hf_config: Any,
                     padded_vocab_size=model.vocab_size, hf_vocab_size=model.hf_vocab_size,
                     saved_tp=ps.get_tensor_model_parallel_world_size(),
                     saved_pp=ps.get_pipeline_model_parallel_world_size(),
+                    saved_ep=ps.get_expert_model_parallel_world_size(),
                     value_head=model.__class__.__name__ == "ValueModel")
         (ckpt_dir / META_NAME).write_text(json.dumps(meta, indent=2))
     dist.barrier()
-    dist_checkpointing.save(model_sharded_state_dict(chunks), str(ckpt_dir / "model"))
+    request = dist_checkpointing.save(model_sharded_state_dict(chunks), str(ckpt_dir / "model"),
+                                      async_sharded_save=async_requests is not None)
+    if async_requests is not None:
+        async_requests.append(request)
     dist.barrier()
 
 
@@ -141,13 +149,58 @@ def check_checkpoint_files(model_dir: str | Path) -> None:
         raise CheckpointError(f"{model_dir / 'common.pt'}: unreadable with weights_only=True ({e})") from e
 
 
+def torch_dist_problems(model_dir: str | Path) -> list[str]:
+    """Why the torch_dist directory `model_dir` cannot be loaded (empty when complete): a missing
+    file, foreign pickles (`check_checkpoint_files`), or a shard file missing or shorter than
+    the byte ranges the DCP metadata assigns to it. Reads no tensor data."""
+    model_dir = Path(model_dir)
+    try:
+        check_checkpoint_files(model_dir)
+        with open(model_dir / ".metadata", "rb") as f:
+            metadata = _DcpMetadataUnpickler(f).load()
+    except CheckpointError as e:
+        return [str(e)]
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    problems = []
+    for name, size in sorted(needed.items()):
+        path = model_dir / name
+        have = path.stat().st_size if path.exists() else None
+        if have is None or have < size:
+            problems.append(f"{path}: {'missing' if have is None else f'{have} bytes'}, the metadata needs {size}")
+    return problems
+
+
+ARCH_FIELDS = ("model_type", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+               "num_query_groups", "head_dim", "vocab_size", "add_qkv_bias", "qk_layernorm",
+               "num_experts", "moe_topk", "moe_ffn_hidden_size", "shared_expert_ffn_hidden_size")
+
+
+def check_same_architecture(ckpt_dir: str | Path, spec) -> None:
+    """Raises CheckpointError naming the first architecture field (ArchSpec, read from the
+    checkpoint's hf/config.json) in which the checkpoint differs from the model `spec` describes."""
+    from megarl.models.families import arch_spec
+
+    read_checkpoint_meta(ckpt_dir)
+    saved = arch_spec(load_checkpoint_hf_config(ckpt_dir))
+    for name in ARCH_FIELDS:
+        if getattr(saved, name) != getattr(spec, name):
+            raise CheckpointError(
+                f"checkpoint {ckpt_dir} holds another model: {name} is {getattr(saved, name)!r} in its "
+                f"hf/config.json but {getattr(spec, name)!r} in the model being loaded (built from model.hf_path)")
+
+
 def load_megatron_checkpoint(model_chunks, ckpt_dir: str | Path) -> None:
     """Collective: loads this rank's shards of a torch_dist model checkpoint (any saved layout)."""
     from megatron.core import dist_checkpointing
 
     model_dir = Path(ckpt_dir) / "model"
-    check_checkpoint_files(model_dir)
+    problems = torch_dist_problems(model_dir)
+    if problems:
+        raise CheckpointError(f"checkpoint {ckpt_dir} is incomplete or corrupt: " + "; ".join(problems))
     chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    check_same_architecture(ckpt_dir, unwrap(chunks[0]).arch_spec)
     state = dist_checkpointing.load(model_sharded_state_dict(chunks), str(model_dir))
     if len(chunks) == 1:
         unwrap(chunks[0]).load_state_dict(state)

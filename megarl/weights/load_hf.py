@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from megarl.models.bridge import VALUE_HEAD_HF_NAME, expected_hf_shapes, hf_shapes, param_maps, read_shard
+from megarl.models.bridge import (
+    VALUE_HEAD_HF_NAME, expected_hf_shapes, hf_shapes, param_maps, read_shard, shard_group)
 from megarl.models.builder import unwrap
 from megarl.weights.hf_reader import CheckpointError, HFCheckpoint
 
@@ -49,13 +50,10 @@ def check_checkpoint(ckpt: HFCheckpoint, spec, value_head: bool = False) -> None
 @torch.no_grad()
 def load_hf_weights(model_chunks, hf_dir: str | Path) -> int:
     """Copies this rank's shards from the HF checkpoint into `model_chunks`; returns bytes read."""
-    from megatron.core import parallel_state as ps
-
     from megarl.models.value_head import ValueModel
 
     chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     ckpt = HFCheckpoint(hf_dir)
-    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     models = [unwrap(c) for c in chunks]
     spec = models[0].arch_spec
     check_checkpoint(ckpt, spec, value_head=isinstance(models[0], ValueModel))
@@ -64,6 +62,7 @@ def load_hf_weights(model_chunks, hf_dir: str | Path) -> int:
         for pm, param in param_maps(model, spec):
             if pm.optional and pm.hf_names[0] not in ckpt.names():
                 continue
+            tp, tp_rank = shard_group(pm)  # expert-TP for experts
             for name, shape in zip(pm.hf_names, hf_shapes(pm, tuple(param.shape), spec, tp)):
                 ckpt.check_shape(name, shape)
             shard = read_shard(pm, ckpt, spec, tuple(param.shape), tp_rank, tp)

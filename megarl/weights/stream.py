@@ -10,6 +10,9 @@ How a bucket is made (every rank runs the same plan, so collectives line up):
 2. On the owning stage, the TP-sharded parameters of the bucket are packed into one byte
    buffer and all-gathered over the TP group, then merged into HF tensors (fused QKV split into
    q/k/v, gated fc1 into gate/up, vocab padding cut); replicated parameters are taken locally.
+   MoE experts: a local expert slot's shards are gathered over the expert-TP group, merged, and
+   the merged tensors of every EP rank's same slot all-gathered over the EP group, so a bucket
+   entry carries that slot's full HF tensors for all EP ranks (`bridge.expert_hf_names`).
 3. With PP > 1 the owner packs the HF tensors into one byte buffer and broadcasts it over the PP
    group; the other stages receive it. The yielded tensors are views into that buffer.
 
@@ -30,7 +33,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from megarl.models.bridge import hf_shapes, merge_shards, param_maps
+from megarl.models.bridge import expert_hf_names, hf_shapes, merge_shards, param_maps, shard_group
 from megarl.models.builder import unwrap
 
 _ALIGN = 64  # byte alignment of each tensor inside a packed buffer (view(dtype) needs it)
@@ -72,15 +75,18 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view(torch.uint8)
 
 
-def _local_entries(models, spec, tp: int, dtype: torch.dtype | None):
+def _local_entries(models, spec, ep: int, dtype: torch.dtype | None):
     entries, params = [], []
     for model in models:
         for pm, param in param_maps(model, spec):
             if not pm.export:
                 continue
             out_dtype = dtype or param.dtype
-            shapes = tuple(hf_shapes(pm, tuple(param.shape), spec, tp))
-            entries.append(_Entry(pm.hf_names, shapes, str(out_dtype).removeprefix("torch."), pm.layout))
+            shapes = tuple(hf_shapes(pm, tuple(param.shape), spec, shard_group(pm)[0]))
+            names = pm.hf_names
+            if pm.expert is not None:  # this slot on every EP rank
+                names, shapes = expert_hf_names(pm, spec, ep), shapes * ep
+            entries.append(_Entry(names, shapes, str(out_dtype).removeprefix("torch."), pm.layout))
             params.append((pm, param))
     return entries, params
 
@@ -101,23 +107,42 @@ def _plan(stage_entries: list[list[_Entry]], bucket_bytes: int) -> list[tuple[in
     return plan
 
 
-def _gather_tp(items, spec, tp: int, group) -> list[list[torch.Tensor]]:
-    """HF tensors of each (pm, param, entry) in `items`, TP shards all-gathered in one call."""
-    sharded = [k for k, (pm, _, _) in enumerate(items) if pm.layout != "replicated" and tp > 1]
-    local = [items[k][1].detach().to(items[k][2].torch_dtype) for k in range(len(items))]
-    gathered: dict[int, list[torch.Tensor]] = {}
-    if sharded:
-        flat = torch.cat([_as_bytes(local[k]) for k in sharded])
-        bufs = [torch.empty_like(flat) for _ in range(tp)]
-        dist.all_gather(bufs, flat, group=group)
-        offset = 0
-        for k in sharded:
-            n = local[k].numel() * local[k].element_size()
-            gathered[k] = [b[offset:offset + n].view(local[k].dtype).view(local[k].shape) for b in bufs]
-            offset += n
-    out = []
-    for k, (pm, _, _) in enumerate(items):
-        out.append(merge_shards(pm, gathered.get(k, [local[k]]), spec))
+def _all_gather_packed(tensors: list[torch.Tensor], size: int, group) -> list[list[torch.Tensor]]:
+    """[tensor][rank] copies of `tensors` (same shapes on every rank of `group`), one all-gather."""
+    flat = torch.cat([_as_bytes(t) for t in tensors])
+    bufs = [torch.empty_like(flat) for _ in range(size)]
+    dist.all_gather(bufs, flat, group=group)
+    out, offset = [], 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        out.append([b[offset:offset + n].view(t.dtype).view(t.shape) for b in bufs])
+        offset += n
+    return out
+
+
+def _gather_tp(items, spec) -> list[list[torch.Tensor]]:
+    """HF tensors of each (pm, param, entry) in `items`: TP shards (expert-TP for experts)
+    all-gathered in one call per group; expert tensors then all-gathered over EP (rank-major)."""
+    from megatron.core import parallel_state as ps
+
+    local = [param.detach().to(e.torch_dtype) for _, param, e in items]
+    out: list = [None] * len(items)
+    experts = [k for k, (pm, _, _) in enumerate(items) if pm.expert is not None]
+    for is_expert, group in ((False, ps.get_tensor_model_parallel_group()),
+                             (True, ps.get_expert_tensor_parallel_group())):
+        ks = [k for k, (pm, _, _) in enumerate(items) if (pm.expert is not None) == is_expert]
+        size = dist.get_world_size(group) if ks else 1
+        sharded = [k for k in ks if items[k][0].layout != "replicated" and size > 1]
+        gathered = dict(zip(sharded, _all_gather_packed([local[k] for k in sharded], size, group))) if sharded else {}
+        for k in ks:
+            out[k] = merge_shards(items[k][0], gathered.get(k, [local[k]]), spec)
+    ep = ps.get_expert_model_parallel_world_size()
+    if experts and ep > 1:
+        per_rank = iter(_all_gather_packed([t for k in experts for t in out[k]], ep,
+                                           ps.get_expert_model_parallel_group()))
+        for k in experts:
+            mine = [next(per_rank) for _ in out[k]]  # [tensor][ep rank]
+            out[k] = [mine[j][r] for r in range(ep) for j in range(len(mine))]
     return out
 
 
@@ -137,10 +162,10 @@ def stream_hf_weights(model_chunks, hf_config: Any = None, bucket_bytes: int = 2
     spec = models[0].arch_spec
     if hf_config is not None and arch_spec(hf_config) != spec:
         raise ValueError("hf_config does not describe the architecture the model was built from")
-    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    pp = ps.get_pipeline_model_parallel_world_size()
     pp_rank = ps.get_pipeline_model_parallel_rank()
-    tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
-    entries, params = _local_entries(models, spec, tp, dtype)
+    pp_group = ps.get_pipeline_model_parallel_group()
+    entries, params = _local_entries(models, spec, ps.get_expert_model_parallel_world_size(), dtype)
     if pp > 1:
         stage_entries: list = [None] * pp
         dist.all_gather_object(stage_entries, entries, group=pp_group)
@@ -154,7 +179,7 @@ def stream_hf_weights(model_chunks, hf_config: Any = None, bucket_bytes: int = 2
             tensors = None
             if owner:
                 items = [(params[i][0], params[i][1], entries[i]) for i in idx]
-                tensors = [t for group_ in _gather_tp(items, spec, tp, tp_group) for t in group_]
+                tensors = [t for group_ in _gather_tp(items, spec) for t in group_]
             if pp == 1:
                 if receive:
                     names = [n for i in idx for n in entries[i].hf_names]

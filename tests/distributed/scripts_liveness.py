@@ -26,9 +26,15 @@ NOT_ON_CPU = {
     "rollout.mem_fraction": "SGLang's mem_fraction_static (passed by build_engine to the SGLang engine; no SGLang on CPU)",
 }
 SHOWN_ELSEWHERE = {
+    "model.logprob_chunk_tokens": "tests/distributed/test_cp.py::test_chunked_views_equal_unchunked_and_the_formulas "
+                                  "(the chunk size changes memory, not results: the test shows chunks of 1, 3 and "
+                                  "4096 tokens give the same log-probs, entropy and gradients); "
+                                  "tools/bench_long_context.py measures the memory",
     "algorithm.gpg_alpha": "tests/unit/test_algorithms_objectives.py::test_gpg_alpha_field_is_live_in_the_trainer "
                            "(alpha differs from 1 only with an all-equal group, which the fixed batch here lacks)",
     "trainer.resume": "tests/distributed/test_trainer.py::test_resume_matches_uninterrupted_run",
+    "parallel.collective_timeout_s": "tests/distributed/test_lost_rank.py::"
+                                     "test_a_lost_rank_ends_the_other_within_the_timeout_naming_the_phase",
     "algorithm.name": "tests/unit/test_config_recipes.py::test_every_preset_and_recipe_loads (a label, written to "
                       "run_dir/config.yaml; each preset's name is its file's)",
 }
@@ -223,6 +229,33 @@ def obs_engine(ctx, cfg):
         return _err(e)
 
 
+def obs_sglang_server_args(ctx, cfg):
+    from megarl.rollout.sglang_utils import server_args
+
+    return server_args(cfg)
+
+
+def obs_rollout_kv_cache(ctx, cfg):
+    """The builtin engine as build_engine makes it, generating through the RolloutWorker: the KV
+    cache it reports (rollout/kv_cache_gb), or the budget's refusal."""
+    from transformers import AutoModelForCausalLM
+
+    from megarl.data.dataset import PromptItem
+    from megarl.trainer import build
+    from megarl.trainer.rollout import RolloutWorker, sampling_from_config
+
+    hf, tok = _hf(ctx, cfg)
+    engine = build.build_engine(cfg, hf, tok)
+    engine.update_weights([list(AutoModelForCausalLM.from_pretrained(cfg.model.hf_path).state_dict().items())])
+    worker = RolloutWorker(engine, tok, build.build_rewards(cfg), cfg)
+    items = [PromptItem(uid=f"u{i}", prompt=f"{i} + {i} =", answer=str(2 * i), data_source="arith") for i in range(2)]
+    try:
+        worker.generate(items, [tok.encode(it.prompt) for it in items], sampling_from_config(cfg.rollout, seed=0))
+    except ValueError as e:
+        return _err(e)
+    return worker.metrics["rollout/kv_cache_gb"]
+
+
 def obs_sampling(ctx, cfg):
     from megarl.trainer.rollout import sampling_from_config
 
@@ -287,6 +320,47 @@ def obs_masks(ctx, cfg):
     batch = fixed_batch(cfg)
     ppo.set_masks(batch, cfg)
     return [_round(batch.loss_mask.sum(-1)), _round(batch.value_mask.sum(-1))]
+
+
+def obs_window_masks(ctx, cfg):
+    """T-PPO token filtering of a batch with carried samples (window_start > 0)."""
+    from megarl.trainer import ppo
+    from megarl.trainer.batch import StepBatch, Trajectory
+
+    batch = StepBatch.from_trajectories([Trajectory(str(i), [5, 6], [7] * 6, [-1.0] * 6, ["truncated", "stop"][i % 2],
+                                                    window_start=2 * i % 5) for i in range(4)])
+    ppo.set_masks(batch, cfg)
+    return [_round(batch.loss_mask.sum(-1)), _round(batch.value_mask.sum(-1))]
+
+
+def obs_rollout_is(ctx, cfg):
+    """The off-policy correction of the fixed batch (rollout log-probs -1, old log-probs in (-1, 0]):
+    advantages, loss mask, metrics."""
+    from megarl.trainer import ppo
+
+    batch = fixed_batch(cfg)
+    ppo.set_masks(batch, cfg)
+    metrics = ppo.rollout_correction(batch, cfg, None)
+    ppo.compute_advantages(batch, batch, list(range(len(batch))), cfg, None, 0.0)
+    return {"adv": _round(batch.advantages), "mask": _round(batch.loss_mask.sum(-1)),
+            "m": {k: round(v, 6) for k, v in sorted(metrics.items())}}
+
+
+def obs_windows(ctx, cfg):
+    """One T-PPO rollout step (policy version 3) with carried samples whose first windows came
+    from versions 0, 1, 2: how many continue, restart, drop, and the new samples."""
+    from megarl.trainer.batch import Trajectory
+    from megarl.trainer.state import TrainerState
+    from megarl.trainer.windows import SuccessiveBatching
+
+    run = _run_components(ctx, cfg)
+    run.sync_weights(3)
+    items = run.data.train.dataset
+    state = TrainerState(in_flight=[Trajectory(items[i].uid, list(items[i].prompt_ids), [7, 8], [-1.0, -1.0], "truncated",
+                                               policy_version=2, start_version=i) for i in range(3)])
+    _, m = SuccessiveBatching(cfg, run.worker, run.next_items, run.data.encode, items)(3, state)
+    return {k: m[k] for k in ("rollout/continued_samples", "rollout/restarted_samples", "rollout/dropped_samples",
+                              "rollout/new_samples")}
 
 
 def obs_advantages(ctx, cfg):
@@ -444,6 +518,23 @@ def obs_sft(ctx, cfg):
 
 
 # --------------------------------------------------------------------------- witnesses
+def obs_async_save(ctx, cfg):
+    """What `latest` and step_1 hold right after RunComponents.save returns, and after finalising."""
+    import tempfile
+
+    from megarl.trainer import checkpoint
+    from megarl.trainer.state import TrainerState
+
+    run = _run_components(ctx, cfg)
+    run.cfg.trainer.run_dir = tempfile.mkdtemp(dir=ctx.root)
+    run.save(TrainerState(step=1))
+    latest = checkpoint.read_latest(run.cfg.trainer.run_dir)
+    meta = (checkpoint.step_dir(run.cfg.trainer.run_dir, 1) / "actor" / "model" / "metadata.json").exists()
+    checkpoint.finalize_async_saves(blocking=True)
+    return {"latest_at_return": latest and latest.name, "metadata_at_return": meta,
+            "latest_finalised": checkpoint.read_latest(run.cfg.trainer.run_dir).name}
+
+
 def W(value: str, obs, *base: str):
     """Changing the field to `value` (on the base config plus `base` overrides) changes obs."""
     return {"value": value, "obs": obs, "base": list(base)}
@@ -452,6 +543,7 @@ def W(value: str, obs, *base: str):
 LOOP = ["trainer.total_steps=1", "rollout.prompts_per_step=2", "algorithm.mini_batch_size=4", "critic.enable=false"]
 CRITIC_GAE = ["algorithm.advantage=gae"]
 KL_REWARD = ["algorithm.kl_in_reward=true", "algorithm.kl_coef=0.1"]
+TPPO = ["algorithm.advantage=egae", "rollout.window_tokens=4"]
 
 WITNESSES = {
     "model.name": W("qwen2.5-32b", obs_planner, "model.name=qwen2.5-7b"),
@@ -469,6 +561,7 @@ WITNESSES = {
     "model.recompute_method": W("block", obs_model_options, "model.recompute=full"),
     "model.recompute_num_layers": W("2", obs_model_options, "model.recompute=full"),
     "model.sequence_parallel": W("true", obs_model_options, "parallel.tp=2", "model.transformer_impl=transformer_engine"),
+    "model.cp_comm_type": W("a2a", obs_model_options, "parallel.cp=2"),
     "parallel.tp": W("2", obs_parallel),
     "parallel.pp": W("2", obs_parallel),
     "parallel.cp": W("2", obs_parallel),
@@ -507,7 +600,13 @@ WITNESSES = {
     "rollout.gen_batch_prompts": W("8", obs_collect, "algorithm.dynamic_sampling=true"),
     "rollout.max_gen_batches": W("1", obs_collect, "algorithm.dynamic_sampling=true", "rollout.prompts_per_step=8",
                                  "algorithm.mini_batch_size=16"),
+    "rollout.kv_cache_gb": W("1e-6", obs_rollout_kv_cache),
+    "rollout.sglang_context_length": W("50000", obs_sglang_server_args),
+    "rollout.sglang_chunked_prefill_size": W("8192", obs_sglang_server_args),
     "rollout.carry_over_groups": W("true", obs_collect, "algorithm.dynamic_sampling=true", "rollout.gen_batch_prompts=8"),
+    "rollout.window_tokens": W("4", obs_sampling, "algorithm.advantage=egae"),
+    "rollout.max_staleness": W("1", obs_windows, *TPPO),
+    "rollout.stale_action": W("drop", obs_windows, *TPPO, "rollout.max_staleness=1"),
     "algorithm.advantage": W("rloo", obs_advantages),
     "algorithm.norm_adv_by_std": W("false", obs_advantages),
     "algorithm.whiten_advantages": W("true", obs_advantages, *CRITIC_GAE),
@@ -551,6 +650,9 @@ WITNESSES = {
     "algorithm.overlong_factor": W("2.0", obs_score, "algorithm.overlong_penalty=true"),
     "algorithm.overlong_filter": W("true", obs_masks),
     "algorithm.value_pretrain_steps": W("1", obs_advantages, *CRITIC_GAE, "algorithm.lam_critic=0.5"),
+    "algorithm.rollout_is": W("tis", obs_rollout_is),
+    "algorithm.rollout_is_cap": W("1.5", obs_rollout_is, "algorithm.rollout_is=tis"),
+    "algorithm.retrain_earlier_windows": W("true", obs_window_masks),
     "algorithm.ppo_epochs": W("2", obs_loop, *LOOP),
     "algorithm.mini_batch_size": W("4", obs_minibatches),
     "critic.enable": W("false", obs_components),
@@ -565,6 +667,7 @@ WITNESSES = {
     "trainer.log_interval": W("2", obs_loop, *LOOP, "trainer.total_steps=2"),
     "trainer.tensorboard": W("true", obs_loop, *LOOP),
     "trainer.val_before_train": W("true", obs_loop, *LOOP),
+    "trainer.async_save": W("true", obs_async_save),
     "eval.n_samples": W("2", obs_evaluate),
     "eval.temperature": W("0.7", obs_evaluate),
     "eval.top_p": W("0.5", obs_evaluate),
@@ -580,7 +683,7 @@ WITNESSES = {
 OPTIM_CHANGES = {"lr": "0.01", "min_lr": "0.0005", "lr_warmup_steps": "3", "lr_decay_style": "cosine",
                  "lr_decay_steps": "3", "weight_decay": "0.5", "adam_beta1": "0.5", "adam_beta2": "0.5",
                  "adam_eps": "0.001", "clip_grad": "0.5", "max_tokens_per_microbatch": "48",
-                 "pack_row_tokens": "16", "use_distributed_optimizer": "false", "offload_optimizer": "true"}
+                 "use_distributed_optimizer": "false", "offload_optimizer": "true"}
 OPTIM_BASE = {"min_lr": ["lr_decay_style=linear"], "lr_decay_steps": ["lr_decay_style=linear"]}
 for _role, _obs in (("actor", obs_actor), ("critic", obs_critic)):
     for _name, _value in OPTIM_CHANGES.items():

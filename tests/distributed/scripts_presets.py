@@ -63,6 +63,9 @@ def presets() -> dict[str, list[str]]:
     return out
 
 
+# preset -> overrides its scaled-down run needs besides `scaled_down` (T-PPO: windows below max_new_tokens)
+PRESET_EXTRA = {"algorithms/tppo.yaml": ["rollout.window_tokens=4"]}
+
 # run name -> overrides: every policy loss and advantage estimator of megarl/algorithms/objectives.py
 OBJECTIVE_RUNS = {
     "gspo": ["algorithm.policy_loss=gspo"],
@@ -96,7 +99,8 @@ def main():
     base = scaled_down(root)
     res = {}
     for name, (config,) in presets().items():
-        res[name] = {"rows": run(name, config, base, root), "algorithm": load_config(config).algorithm.name}
+        res[name] = {"rows": run(name, config, base + PRESET_EXTRA.get(name, []), root),
+                     "algorithm": load_config(config).algorithm.name}
     res["custom_advantage"] = {"rows": run("custom_advantage", str(REPO / "configs/algorithms/grpo.yaml"),
                                            base + ["algorithm.advantage=tests.distributed.scripts_presets:sign_advantage",
                                                    "algorithm.kl_coef=0.0"], root), "algorithm": "custom"}

@@ -31,12 +31,12 @@ def entropy_and_whitening(cfg, batch, dp) -> dict:
     from megarl.trainer.batch import build_microbatch
 
     seq_cfg = dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, loss_agg="seq-mean-token-mean"))
-    mb = build_microbatch(batch, list(range(len(batch))), row_tokens=None).to(device())
+    mb = build_microbatch(batch, list(range(len(batch)))).to(device())
     logits = torch.randn(*mb.input_ids.shape, 97, generator=torch.Generator().manual_seed(2)).to(device())
     counts = ppo.global_counts(batch, list(range(len(batch))), dp, batch.loss_mask)
     _, logs = ppo.actor_loss_fn(seq_cfg, counts, 1.0)(mb, logits)
     ent = torch.distributions.Categorical(logits=logits.cpu().reshape(-1, 97)).entropy()
-    per_tok = mb.gather(ent.to(device())).cpu()
+    per_tok = ent.reshape(-1)[mb.resp_index.cpu()] * batch.response_mask
     m = batch.loss_mask
     expected_seq_mean = float(((per_tok * m).sum(-1) / m.sum(-1)).mean())
 
@@ -63,7 +63,7 @@ def main(model_dir: str, out: str) -> None:
     from megarl.trainer import ppo
     from megarl.trainer.batch import StepBatch, Trajectory, build_microbatch
     from megarl.trainer.build import load_hf_config_and_tokenizer
-    from megarl.trainer.train_model import TrainModel
+    from megarl.trainer.train_model import TrainModel, thd_params
     from megarl.weights import load_hf_weights, stream_hf_weights
 
     cpu_runtime.activate(strict=True)
@@ -82,15 +82,16 @@ def main(model_dir: str, out: str) -> None:
         trajs.append(Trajectory(str(i // 2), [rng.randrange(3, 100) for _ in range(4)], r, [0.0] * len(r), "stop"))
     batch = StepBatch.from_trajectories(trajs)
     ppo.set_masks(batch, cfg)
-    mb = build_microbatch(batch, [0, 1, 2, 3], row_tokens=64)
+    mb = build_microbatch(batch, [0, 1, 2, 3])
+    thd = thd_params(mb.cu_seqlens.to(device()))
     gpt = model.modules[0]
     dp = ps.get_data_parallel_group()
     res = {
         "params_on_device": all(strict_device.on_device(p) for p in gpt.parameters()),
         # defect 1 as it was: host micro-batch tensors into the model on the GPU
-        "host_microbatch_into_model": error_of(lambda: gpt(mb.input_ids, mb.position_ids, mb.attention_mask())),
+        "host_microbatch_into_model": error_of(lambda: gpt(mb.input_ids, mb.position_ids, None, packed_seq_params=thd)),
         "device_microbatch_into_model": error_of(
-            lambda: gpt(*(t.to(device()) for t in (mb.input_ids, mb.position_ids, mb.attention_mask())))),
+            lambda: gpt(*(t.to(device()) for t in (mb.input_ids, mb.position_ids)), None, packed_seq_params=thd)),
         # defect 2 as it was: host tensors in collectives of NCCL groups (metric / count reductions)
         "host_tensor_dp_all_reduce": error_of(lambda: dist.all_reduce(torch.zeros(2, dtype=torch.float64), group=dp)),
         "device_tensor_dp_all_reduce": error_of(lambda: dist.all_reduce(torch.zeros(2, device=device()), group=dp)),

@@ -54,7 +54,7 @@ def train_two_steps(model, cfg, batch) -> tuple[list[float], list[float]]:
         m = ppo.update(model, local, mbs, lambda c: ppo.actor_loss_fn(cfg, c, 1.0), ps.get_data_parallel_group(),
                        local.loss_mask)
         losses.append(m["actor/pg_loss"])
-        norms.append(m["grad_norm"])
+        norms.append(m["actor/grad_norm"])
     return losses, norms
 
 

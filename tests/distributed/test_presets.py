@@ -26,13 +26,13 @@ def presets(result, algorithm):
 
 
 def train_rows(rows):
-    return [r for r in rows if "reward/mean" in r]
+    return [r for r in rows if "time/step" in r]  # eval rows carry eval/* only
 
 
 def test_every_preset_ran():
     names = {p.relative_to(REPO / "configs").as_posix() for p in (REPO / "configs").glob("algorithms/*.yaml")}
     names |= {p.relative_to(REPO / "configs").as_posix() for p in (REPO / "configs").glob("recipes/*/*.yaml")}
-    assert len(names) == 12
+    assert len(names) == 13
 
 
 def test_all_presets_ran_every_step(result):
@@ -75,6 +75,16 @@ def test_value_pretraining_then_policy_updates(result, algorithm):
             assert rows[-1]["actor/pos_lm_loss"] > 0, name  # positive-example LM loss
 
 
+def test_tppo_preset_carries_windows(result):
+    for name, rows in presets(result, "tppo").items():
+        rows = train_rows(rows)  # window 4, max_new_tokens 12: responses span 3 windows (3 steps)
+        assert "actor/pg_loss" not in rows[0] and "actor/pg_loss" in rows[-1], name  # value pretraining first
+        assert [r["rollout/unfinished_samples"] for r in rows[:2]] == [16, 16], name
+        assert rows[1]["rollout/continued_samples"] == 16 and rows[-1]["rollout/finished_samples"] == 16, name
+        assert all(0 < r["rollout/window_tokens_mean"] <= 4 for r in rows), name
+        assert "critic/value_loss" in rows[-1] and "rollout_is/ratio_mean" in rows[-1], name
+
+
 def test_custom_reward_and_advantage_by_dotted_path(result):
     assert result["calls"]["reward"] > 0 and result["calls"]["advantage"] > 0
     rows = train_rows(result["custom_advantage"]["rows"])
@@ -95,6 +105,6 @@ def test_every_objective_runs_rl_steps(result):
         rows = train_rows(rows)
         assert [r["step"] for r in rows] == [1, 2], name
         for r in rows:
-            assert math.isfinite(r["actor/pg_loss"]) and math.isfinite(r["grad_norm"]), (name, r)
+            assert math.isfinite(r["actor/pg_loss"]) and math.isfinite(r["actor/grad_norm"]), (name, r)
             assert OBJECTIVE_METRIC[name.split("/", 1)[1]] in r, name
             assert "actor/kl_loss" not in r, name

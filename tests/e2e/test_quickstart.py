@@ -30,7 +30,7 @@ def test_quickstart_runs_end_to_end(tmp_path):
     assert [r["step"] for r in steps] == [1, 2]
     assert [r["step"] for r in evals] == [0, 1, 2] and evals[-1]["eval/accuracy"] == after
     for key in ("reward/accuracy", "response_length/mean", "actor/clipfrac", "actor/approx_kl", "actor/entropy",
-                "grad_norm", "actor/lr", "time/rollout", "time/weight_sync", "perf/tokens_per_s"):
+                "actor/grad_norm", "actor/lr", "time/rollout", "time/weight_sync", "perf/tokens_per_s"):
         assert key in steps[-1], key
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_2"
     assert list((run / "tb").glob("events.out.tfevents.*"))

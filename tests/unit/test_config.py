@@ -181,7 +181,7 @@ def test_enum_values_are_checked_with_suggestion():
          "Transformer Engine"),
         (["rollout.window=8192"], "rollout.window", "unknown"),
         (["eval.every=5"], "eval.every", "unknown"),
-        (["parallel.cp=2", "model.transformer_impl=transformer_engine"], "parallel.cp", "not implemented"),
+        (["model.logprob_chunk_tokens=0"], "model.logprob_chunk_tokens", "must be >= 1"),
         (["algorithm.policy_loss=nope"], "algorithm.policy_loss", "vanilla_pg"),
         (["algorithm.advantage=nope"], "algorithm.advantage", "package.module:function"),
         (["algorithm.kl_target=0.1"], "algorithm.kl_target", "kl_in_reward=true"),

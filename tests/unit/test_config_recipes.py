@@ -24,7 +24,7 @@ def test_expected_files_are_shipped():
     names = {os.path.relpath(p, os.path.join(CONFIGS, "recipes")) for p in RECIPES}
     assert names == {f"qwen2.5-32b/{a}.yaml" for a in ("dapo", "vapo", "ppo", "grpo")} | {
         f"qwen2.5-7b/{a}.yaml" for a in ("dapo", "vapo", "grpo")}
-    assert {os.path.basename(p) for p in ALGORITHMS} == {f"{a}.yaml" for a in ("grpo", "dapo", "ppo", "vc_ppo", "vapo")}
+    assert {os.path.basename(p) for p in ALGORITHMS} == {f"{a}.yaml" for a in ("grpo", "dapo", "ppo", "vc_ppo", "vapo", "tppo")}
 
 
 @pytest.mark.parametrize("path", ALGORITHMS + RECIPES, ids=lambda p: os.path.relpath(p, CONFIGS))

@@ -80,7 +80,7 @@ def test_weights_are_two_bytes_per_param_and_adam_twelve_over_dp():
     assert actor.grads == 2 * 32_763_876_352
     assert actor.optimizer == 12 * 32_763_876_352 / 8    # fp32 master + m + v, sharded over DP=8
 
-    # a CP layout as the planner models it (the trainer itself rejects cp > 1 at load for now)
+    # a CP layout: the distributed optimizer shards over DP x CP
     cfg = from_dict({"parallel": {"tp": 8, "cp": 2, "nodes": 16}}, validate=False)
     (actor,) = plan.model_states(QWEN32, cfg, world=128)
     n = QWEN32.stage_params(8, 1)
@@ -114,10 +114,10 @@ def korthikanti_per_layer(s: int, h: int, a: int, t: int, sp: bool, selective: b
 @pytest.mark.parametrize("tp, sp, recompute", [(1, False, None), (4, False, None), (4, True, None), (4, True, "selective"), (2, False, "selective")])
 def test_activation_formula_reduces_to_korthikanti(tp, sp, recompute):
     s = 1024
-    # megatron's unfused attention layout (local spec) as the planner models it; the trainer itself
-    # refuses SP with the local spec (it needs TE layer norms), hence no validation here
-    cfg = from_dict({"parallel": {"tp": tp}, "model": {"sequence_parallel": sp, "transformer_impl": "local",
-                                                       "attention_backend": "local", "recompute": recompute},
+    # megatron's unfused attention (Korthikanti's [s, s] scores); without validation, as the trainer
+    # would refuse SP on a CPU-only config
+    cfg = from_dict({"parallel": {"tp": tp}, "model": {"sequence_parallel": sp, "transformer_impl": "transformer_engine",
+                                                       "attention_backend": "unfused", "recompute": recompute},
                      "data": {"max_prompt_len": 24}, "rollout": {"max_new_tokens": 1000},
                      "actor": {"max_tokens_per_microbatch": s}}, validate=False)
     got = plan.activation_bytes_per_token_layer(GPT_LIKE, cfg, seq_len=s) * s
@@ -133,7 +133,8 @@ def test_full_recompute_keeps_layer_inputs_plus_one_layer():
     s, h = 32768, QWEN32.hidden
     one_layer = s * plan.activation_bytes_per_token_layer(QWEN32, cfg, seq_len=22528)
     assert acts["layers"] == pytest.approx(64 * s * 2 * h / 8 + one_layer)
-    assert acts["logits"] == s * QWEN32.vocab / 8 * 10
+    # bf16 logits + bf16 gradient of the whole micro-batch, fp32 logits / softmax / gradient of one chunk
+    assert acts["logits"] == s * QWEN32.vocab / 8 * 4 + 4096 * QWEN32.vocab / 8 * 12
     assert plan.activation_bytes(QWEN32, cfg, "critic")["logits"] == 0
 
 
@@ -141,6 +142,75 @@ def test_kv_cache_bytes_per_token():
     assert QWEN32.kv_bytes_per_token(1) == 2 * 64 * 8 * 128 * 2    # 256 KiB per token unsharded
     assert QWEN32.kv_bytes_per_token(8) == 2 * 64 * 1 * 128 * 2
     assert QWEN7.kv_bytes_per_token(8) == 2 * 28 * 1 * 128 * 2     # 4 KV heads replicated over 8 ranks
+
+
+# Qwen2.5-32B per token and layer with SP over TP=8 and no core-attention term (selective recompute):
+# (8h + 4ad + 4gd + 6f) / 8 = (40960 + 20480 + 4096 + 165888) / 8 bytes
+QWEN32_SP8_SELECTIVE = 28928
+QWEN32_VOCAB_TP8 = 152064 / 8
+
+
+def long_cfg(*overrides: str):
+    return load_config(None, ["model.name=qwen2.5-32b", "parallel.tp=8", "parallel.nodes=16",
+                              "model.transformer_impl=transformer_engine", "model.sequence_parallel=true",
+                              "data.max_prompt_len=2048", "rollout.max_new_tokens=61440", *overrides])
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4, 8])
+def test_cp_divides_activations_per_rank(cp):
+    B = 65536
+    cfg = long_cfg("model.recompute=selective", f"parallel.cp={cp}", f"actor.max_tokens_per_microbatch={B}")
+    acts = plan.activation_bytes(QWEN32, cfg, "actor")
+    s = B // cp  # tokens of the micro-batch on one GPU
+    assert acts["layers"] == 64 * s * QWEN32_SP8_SELECTIVE
+    # TE's ring attention: about two chunks of K and V in flight (1 KV head per GPU, head_dim 128, bf16)
+    assert acts["kv_exchange"] == (0 if cp == 1 else 2 * 2 * s * 1 * 128 * 2)
+    assert acts["workspace"] == 0
+    assert acts["logits"] == s * QWEN32_VOCAB_TP8 * 4 + 4096 * QWEN32_VOCAB_TP8 * 12
+    one = plan.activation_bytes(QWEN32, long_cfg("model.recompute=selective", f"actor.max_tokens_per_microbatch={B}"),
+                                "actor")
+    assert acts["total"] == pytest.approx(one["total"] / cp, rel=0.1)  # ~1/CP; the one log-prob chunk does not shrink
+
+
+def test_te_allgather_cp_holds_the_full_sequence_kv():
+    B, cp = 65536, 4
+    p2p = plan.activation_bytes(QWEN32, long_cfg(f"parallel.cp={cp}", f"actor.max_tokens_per_microbatch={B}"), "actor")
+    ag = plan.activation_bytes(QWEN32, long_cfg(f"parallel.cp={cp}", f"actor.max_tokens_per_microbatch={B}",
+                                                "model.cp_comm_type=allgather"), "actor")
+    assert p2p["kv_exchange"] == 2 * 2 * (B // cp) * 1 * 128 * 2
+    assert ag["kv_exchange"] == 2 * B * 1 * 128 * 2  # cp / 2 = 2x the ring's two chunks
+
+
+def test_local_cp_attention_keeps_the_gathered_kv_of_every_layer():
+    B, cp, tp = 32768, 4, 2
+    base = ["model.name=qwen2.5-32b", "model.transformer_impl=local", f"parallel.tp={tp}", f"parallel.cp={cp}",
+            "parallel.nodes=1", "parallel.gpus_per_node=8", "data.max_prompt_len=2048", "rollout.max_new_tokens=30000",
+            f"actor.max_tokens_per_microbatch={B}"]
+    acts = plan.activation_bytes(QWEN32, load_config(None, base), "actor")
+    s = B // cp
+    # no SP: 8h replicated + (4ad + 4gd + 6f + fp32 output 4ad + fp32 log-sum-exp 4a) / TP
+    per_token = 40960 + (20480 + 4096 + 165888 + 20480 + 160) / tp
+    gathered_kv = 2 * B * (8 // tp) * 128 * 2  # full-sequence K and V of the local KV heads, bf16
+    assert acts["kv_exchange"] == 64 * gathered_kv
+    assert acts["layers"] == 64 * s * per_token
+    # the local attention's query block: 32 MiB / (4 bytes x 20 heads x 32768 keys) = 12 -> its minimum, 16
+    assert acts["workspace"] == 16 * 16 * 32048 * 40 / tp  # fp32 scores, P, dP, dS of 16 queries x 32,048 keys
+    sel = plan.activation_bytes(QWEN32, load_config(None, base + ["model.recompute=selective"]), "actor")
+    assert sel["kv_exchange"] == gathered_kv  # gathered again in the backward: one layer's worth at a time
+    assert sel["layers"] == 64 * s * (40960 + (20480 + 4096 + 165888) / tp)
+    attention = sys.modules[plan.activation_bytes.__module__]
+    assert attention.LOCAL_SCORE_BLOCK_BYTES == pytest.importorskip("megarl.models.attention").SCORE_BLOCK_BYTES
+
+
+def test_logprob_chunk_bounds_the_float32_logits():
+    s = 16384
+    acts = {c: plan.activation_bytes(QWEN32, long_cfg("model.recompute=selective", "parallel.cp=4",
+                                                      f"actor.max_tokens_per_microbatch={4 * s}",
+                                                      f"model.logprob_chunk_tokens={c}"), "actor")["logits"]
+            for c in (1024, 4096, 10**6)}
+    assert acts[4096] - acts[1024] == (4096 - 1024) * QWEN32_VOCAB_TP8 * 12
+    assert acts[10**6] == s * QWEN32_VOCAB_TP8 * (4 + 12)  # a chunk larger than the micro-batch: the whole of it
+    assert acts[4096] < s * QWEN32_VOCAB_TP8 * 10  # less than float32 logits + gradient of every token
 
 
 def test_train_flops_formula():
@@ -179,6 +249,41 @@ def test_layout_set():
     names = {os.path.relpath(p, os.path.join(CONFIGS, "layouts")) for p in LAYOUTS}
     assert {f"qwen2.5-7b/{n}node.yaml" for n in (1, 2, 4, 8, 16, 32, 64)} <= names
     assert {f"qwen2.5-32b/{n}node.yaml" for n in (2, 4, 8, 16, 32, 64)} <= names
+    long = {os.path.relpath(p, os.path.join(CONFIGS, "layouts")) for p in LONG_LAYOUTS}
+    assert {f"qwen2.5-32b/16node-{k}k.yaml" for k in (20, 32, 64)} <= long
+
+
+LONG_LAYOUTS = sorted(glob.glob(os.path.join(CONFIGS, "layouts", "*", "*node-*k.yaml")))
+QWEN32_RECIPES = sorted(glob.glob(os.path.join(CONFIGS, "recipes", "qwen2.5-32b", "*.yaml")))
+
+
+@pytest.mark.parametrize("layout", LONG_LAYOUTS, ids=lambda p: os.path.relpath(p, CONFIGS))
+@pytest.mark.parametrize("gpu", ["h100", "h200"])
+def test_long_context_layouts_fit_every_recipe(layout, gpu):
+    k = int(os.path.basename(layout).split("-")[1].removesuffix("k.yaml"))
+    assert QWEN32_RECIPES
+    for recipe in QWEN32_RECIPES:
+        cfg = load_config([recipe, layout])
+        assert cfg.rollout.max_new_tokens == cfg.eval.max_new_tokens == k * 1024
+        assert cfg.parallel.cp > 1 and cfg.model.recompute == "selective"
+        arch, hf, _ = plan.load_arch(cfg)
+        pl = plan.plan(cfg, arch, hf, plan.GPUS[gpu])
+        assert pl.fits, f"{recipe} + {layout} on {gpu}: {pl.problems}"
+        assert max(pl.rollout_peak, pl.train_peak) <= pl.gpu.mem_bytes
+
+
+@pytest.mark.parametrize("gpu", ["h100", "h200"])
+def test_64k_layout_without_cp_is_rejected_naming_the_cause(gpu, capsys):
+    recipe = os.path.join(CONFIGS, "recipes", "qwen2.5-32b", "dapo.yaml")
+    layout = os.path.join(CONFIGS, "layouts", "qwen2.5-32b", "16node-64k.yaml")
+    cfg = load_config([recipe, layout], ["parallel.cp=1"])
+    pl = plan.plan(cfg, QWEN32, hf_json("qwen2.5-32b"), plan.GPUS[gpu])
+    (msg,) = [p for p in pl.problems if p.startswith("train phase needs")]
+    # 69,632 tokens per GPU x 64 layers x 28,928 bytes = 120.1 GiB of layer activations
+    assert "at 69,632 tokens per GPU" in msg and "layers 120.1" in msg
+    assert "the largest term is layer activations (120.1 GiB)" in msg and "parallel.cp" in msg
+    rc = plan.main(["--recipe", recipe, "--layout", layout, "--gpu", gpu, "parallel.cp=1"])
+    assert rc == 1 and "the largest term is layer activations" in capsys.readouterr().out
 
 
 def test_planner_reports_what_does_not_fit():

@@ -280,3 +280,88 @@ def test_gpu_matches_cpu(tmp_path):
     assert all(p.device.type == "cpu" for p in gpu.model.parameters())
     gpu.resume_memory()
     assert gpu.generate(PROMPTS, sp)[0].response_ids == cpu.generate(PROMPTS, sp)[0].response_ids
+
+
+def test_kv_cache_bytes_formula_matches_the_allocated_cache():
+    from megarl.rollout.torch_model import KVCache, kv_cache_bytes, model_args_from_hf_config
+
+    args = model_args_from_hf_config(FAMILIES["qwen3"]())  # 2 layers, 2 KV heads, head_dim 16
+    cache = KVCache.allocate(args, 3, 25, torch.bfloat16, torch.device("cpu"))
+    cache.repeat_rows(4)  # 3 prompts x n=4 rows, as generate() builds it
+    assert cache.nbytes == kv_cache_bytes(args, 12, 25, torch.bfloat16) == 2 * 2 * 12 * 25 * 2 * 16 * 2
+    cache.select_rows(torch.tensor([0, 5, 7]))
+    assert cache.nbytes == kv_cache_bytes(args, 3, 25, torch.bfloat16)
+
+
+def test_kv_cache_budget_refuses_before_generating_and_reports_the_size(tmp_path):
+    from megarl.rollout.torch_model import KVCacheBudgetError
+
+    model = _hf_model("qwen2")
+    model.save_pretrained(tmp_path)
+    sp = SamplingParams(n=2, temperature=0, max_new_tokens=12)
+    # 4 prompts x n=2 rows, longest prompt 13 + 12 new tokens; 2 layers x (K, V) x 2 KV heads x head_dim 16 x fp32
+    need = 2 * 2 * 8 * (13 + 12) * 2 * 16 * 4
+    exact = BuiltinEngine.from_pretrained(tmp_path, kv_cache_gb=need / 2**30)
+    samples = exact.generate(PROMPTS, sp)
+    assert exact.kv_cache_bytes == need and len(samples) == 8
+    tight = BuiltinEngine.from_pretrained(tmp_path, kv_cache_gb=(need - 1) / 2**30)
+    with pytest.raises(KVCacheBudgetError, match=r"rollout\.kv_cache_gb=.*rollout\.max_new_tokens.*"
+                                                 r"rollout\.n_samples_per_prompt") as err:
+        tight.generate(PROMPTS, sp)
+    assert "2 layers x 2 x 8 sequences x 25 tokens x 2 KV heads x 16 x 4 bytes" in str(err.value)
+    assert tight.kv_cache_bytes == 0  # refused before any cache was allocated
+    # a T-PPO continuation re-prefills prompt + response: its cache spans the context plus this window
+    windowed = SamplingParams(temperature=0, max_new_tokens=12, window=4)
+    first = exact.generate(PROMPTS, windowed)
+    exact.continue_samples(first, windowed)
+    assert exact.kv_cache_bytes == 2 * 2 * 4 * (13 + 4 + 4) * 2 * 16 * 4
+
+
+def test_rollout_worker_reports_the_kv_cache_metric(tmp_path):
+    """rollout/kv_cache_gb: the builtin engine's KV cache of the call; the largest over DAPO's rounds."""
+    import torch.distributed as dist
+
+    from megarl.config import load_config
+    from megarl.data.dataset import PromptItem
+    from megarl.tasks.tiny_model import TinyModelSpec, save_tiny_model
+    from megarl.trainer.build import build_rewards
+    from megarl.trainer.rollout import RolloutWorker, collect_step_batch
+
+    spec = TinyModelSpec(layers=2, hidden=32, heads=4, kv_heads=2, intermediate=64)
+    save_tiny_model(tmp_path / "model", spec)
+    engine = BuiltinEngine.from_pretrained(tmp_path / "model")
+    cfg = load_config(None, ["reward.sources={arith: math}", "algorithm.overlong_penalty=false"])
+    items = [PromptItem(uid=f"u{i}", prompt=f"{i}+{i}", answer=str(2 * i), data_source="arith") for i in range(3)]
+    encoded = [engine.tokenizer.encode(f"Q: {it.prompt}=?\n") for it in items]
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        worker = RolloutWorker(engine, engine.tokenizer, build_rewards(cfg), cfg)
+        worker.generate(items, encoded, SamplingParams(n=2, temperature=0, max_new_tokens=5, seed=0))
+    finally:
+        if owned:
+            dist.destroy_process_group()
+    longest = max(len(e) for e in encoded)
+    expected = 2 * 2 * 6 * (longest + 5) * 2 * (32 // 4) * 4  # layers x (K, V) x rows x slots x kv heads x d x fp32
+    assert worker.metrics["rollout/kv_cache_gb"] == expected / 2**30
+
+    class Rounds:  # dynamic sampling: groups are mixed only in round 2; the KV caches are 3 then 1 GiB
+        def __init__(self):
+            self.metrics, self.round = {}, 0
+
+        def generate(self, items, _encoded, sampling):
+            from megarl.trainer.batch import Trajectory
+
+            self.round += 1
+            self.metrics = {"rollout/kv_cache_gb": 3.0 if self.round == 1 else 1.0, "reward/count": 2.0}
+            return [Trajectory(uid=u, prompt_ids=[1], response_ids=[2], rollout_logprobs=[0.0], finish_reason="stop",
+                               score=float(k), acc=bool(k) and self.round == 2) for u in items for k in range(2)]
+
+    dapo = load_config("configs/algorithms/dapo.yaml", ["rollout.n_samples_per_prompt=2", "rollout.prompts_per_step=1",
+                                                        "rollout.gen_batch_prompts=1", "algorithm.mini_batch_size=2"])
+    stream = iter(f"p{i}" for i in range(100))
+    _, m = collect_step_batch(lambda n: [next(stream) for _ in range(n)], lambda xs: [[0]] * len(xs), Rounds(),
+                              dapo, 0, [])
+    assert m["rollout/rounds"] == 2 and m["reward/count"] == 4.0  # counts add up over the rounds
+    assert m["rollout/kv_cache_gb"] == 3.0  # the peak does not

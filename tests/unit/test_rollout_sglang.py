@@ -29,7 +29,7 @@ from megarl.rollout.sglang_utils import (
     MEMORY_TAGS, GenerateCall, ReleasedMemory, broadcast_from_owner, engine_launch_env, first_call,
     gather_to_owner, map_finish_reason, memory_tags, needs_weight_update_session, parse_output,
     plan_buckets, rebucket, request_seeds, run_on_owner, run_segment, sample_seed, sampling_dict,
-    second_call, version_tuple, with_last_flag)
+    second_call, server_args, version_tuple, with_last_flag)
 from megarl.rollout.sampling import TokenSampler
 
 
@@ -392,3 +392,57 @@ def test_engine_group_timeout_outlasts_the_owners_generation(tmp_path):
         assert timeouts[0] >= timedelta(hours=1) and timeouts[1] == timedelta(milliseconds=500)
         assert outcomes[0] == "generated"
     assert "timed out" in results[1][1][1].lower(), results[1][1][1]  # waited past the timeout
+
+
+def test_server_args_from_config():
+    from megarl.config import ConfigError, load_config
+
+    base = ["data.max_prompt_len=1024", "rollout.max_new_tokens=30000", "eval.max_new_tokens=32768",
+            "parallel.rollout_tp=4", "rollout.mem_fraction=0.7"]
+    # context: the longest request, prompt + the larger of the training and eval generation caps
+    assert server_args(load_config(None, base)) == {"tp_size": 4, "mem_fraction_static": 0.7,
+                                                    "context_length": 1024 + 32768}
+    explicit = load_config(None, base + ["rollout.sglang_context_length=40000", "rollout.sglang_chunked_prefill_size=8192"])
+    assert server_args(explicit) == {"tp_size": 4, "mem_fraction_static": 0.7, "context_length": 40000,
+                                     "chunked_prefill_size": 8192}
+    assert server_args(load_config(None, ["rollout.sglang_chunked_prefill_size=-1"]))["chunked_prefill_size"] == -1
+    with pytest.raises(ConfigError, match=r"rollout\.sglang_context_length.*31024"):  # would cut responses early
+        load_config(None, base + ["rollout.sglang_context_length=31023"])
+    with pytest.raises(ConfigError, match=r"rollout\.sglang_chunked_prefill_size"):
+        load_config(None, ["rollout.sglang_chunked_prefill_size=0"])
+
+
+def test_context_length_from_config_reaches_sglang_and_caps_generation(tiny_checkpoint):
+    from megarl.config import load_config
+
+    cfg = load_config(None, ["data.max_prompt_len=8", "rollout.max_new_tokens=12", "eval.max_new_tokens=4",
+                             "rollout.sglang_chunked_prefill_size=16"])
+    engine = _engine(tiny_checkpoint, start=True, **server_args(cfg))
+    (sgl,) = _StandInEngine.created
+    assert (sgl.kwargs["context_length"], sgl.kwargs["chunked_prefill_size"], sgl.kwargs["tp_size"]) == (20, 16, 1)
+    (sample,) = engine.generate([list(range(1, 9))], SamplingParams(temperature=0, max_new_tokens=30))
+    assert sgl.requests[0]["max_new_tokens"] == 20 - 8  # the request never asks past the context
+    assert len(sample.response_ids) == 12 and sample.finish_reason == "length"
+
+
+def test_build_engine_passes_the_server_args(tiny_checkpoint, tmp_path_factory, monkeypatch):
+    from megarl.config import load_config
+    from megarl.trainer.build import build_engine
+
+    monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=_StandInEngine, __version__="0.5.23"))
+    cfg = load_config(None, ["rollout.engine=sglang", f"model.hf_path={tiny_checkpoint}", "data.max_prompt_len=8",
+                             "rollout.max_new_tokens=12", "rollout.sglang_chunked_prefill_size=16",
+                             "rollout.mem_fraction=0.5"])
+    owned = not dist.is_initialized()
+    if owned:
+        init = tmp_path_factory.mktemp("dist") / "init"
+        dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
+    try:
+        engine = build_engine(cfg, None, None)
+    finally:
+        if owned:
+            dist.destroy_process_group()
+    assert isinstance(engine, SGLangEngine) and not engine.started
+    expected = {"tp_size": 1, "mem_fraction_static": 0.5, "context_length": 8 + 20480, "chunked_prefill_size": 16}
+    assert {k: engine.engine_kwargs[k] for k in expected} == expected  # eval.max_new_tokens (20480) is the larger cap
+    assert engine.max_context == 8 + 20480

@@ -21,28 +21,37 @@ def test_offloaded_optimizer_is_megatrons_precision_aware_hybrid_optimizer(monke
     assert not plain.optimizer_cpu_offload and not plain.use_precision_aware_optimizer and plain.fp16
 
 
-@pytest.mark.parametrize("tp, sp, fp8, te, cp, expected", [
-    (1, False, None, False, 1, 1), (4, False, None, False, 1, 1), (4, True, None, False, 1, 4),
-    (4, True, "e4m3", True, 1, 16), (2, False, None, True, 3, 6), (8, True, "hybrid", True, 2, 16),
-    (2, True, "e4m3", True, 3, 48),
+@pytest.mark.parametrize("tp, sp, fp8, cp, expected", [
+    (1, False, None, 1, 1), (4, False, None, 1, 1), (4, True, None, 1, 4),
+    (4, True, "e4m3", 1, 16), (2, False, None, 3, 6), (8, True, "hybrid", 2, 32),
+    (2, True, "e4m3", 3, 48), (1, False, None, 2, 4),
 ])
-def test_sequence_pad_multiple(tp, sp, fp8, te, cp, expected):
+def test_sequence_pad_multiple(tp, sp, fp8, cp, expected):
     config = SimpleNamespace(tensor_model_parallel_size=tp, sequence_parallel=sp, fp8=fp8, context_parallel_size=cp)
-    assert sequence_pad_multiple(config, te) == expected
+    assert sequence_pad_multiple(config) == expected
 
 
-def test_thd_microbatch_pads_every_sequence_and_builds_no_dense_mask():
+def test_thd_microbatch_pads_every_sequence():
     trajs = [Trajectory("a", [5, 6, 7], [8, 9], [0.0, 0.0], "stop"), Trajectory("b", [5], [9, 9, 9, 9, 9], [0.0] * 5, "stop")]
     batch = StepBatch.from_trajectories(trajs)
-    mb = build_microbatch(batch, [0, 1], row_tokens=None, pad_multiple=4)
+    mb = build_microbatch(batch, [0, 1], pad_multiple=4)
     assert mb.cu_seqlens.tolist() == [0, 8, 16]  # 5 -> 8 and 6 -> 8 tokens
     assert mb.input_ids.shape == (1, 16) and mb.input_ids.shape[1] % 4 == 0
     assert mb.input_ids[0, :5].tolist() == [5, 6, 7, 8, 9] and mb.input_ids[0, 8:14].tolist() == [5, 9, 9, 9, 9, 9]
     # response token j of a sample is predicted at offset + P - 1 + j of its sequence
     assert mb.resp_index.tolist() == [[2, 3, 0, 0, 0], [8, 9, 10, 11, 12]]
+    assert mb.owner.tolist() == [[2, 3, -1, -1, -1], [8, 9, 10, 11, 12]]
     assert mb.position_ids[0, 8:16].tolist() == list(range(8))
-    # the dense mask exists only when megatron's local attention asks for it: block-causal
-    mask = mb.attention_mask()[0, 0]  # True = masked
-    assert mask.shape == (16, 16)
-    assert not mask[9, 8] and mask[8, 9] and mask[9, 7] and mask[12, 0]  # no attention across sequences
-    assert not mask[4, 0] and not mask[7, 7]
+
+
+def test_cp_shard_keeps_the_load_balanced_chunks_and_owners():
+    """cp=2, sequences padded to 8: rank 0 holds chunks 0 and 3 of each (positions 0-1, 6-7 and
+    8-9, 14-15), rank 1 chunks 1 and 2; every response token is held by exactly one rank."""
+    trajs = [Trajectory("a", [5, 6, 7], [8, 9], [0.0, 0.0], "stop"), Trajectory("b", [5], [9, 9, 9, 9, 9], [0.0] * 5, "stop")]
+    mb = build_microbatch(StepBatch.from_trajectories(trajs), [0, 1], pad_multiple=4)
+    r0, r1 = mb.cp_shard(0, 2), mb.cp_shard(1, 2)
+    assert r0.input_ids[0].tolist() == [5, 6, 0, 0, 5, 9, 0, 0]
+    assert r1.input_ids[0].tolist() == [7, 8, 9, 0, 9, 9, 9, 9]
+    # response positions 2, 3 | 8..12 -> rank 0 holds 8, 9 (local 4, 5); rank 1 holds 2, 3, 10, 11, 12
+    assert r0.owner.tolist() == [[-1, -1, -1, -1, -1], [4, 5, -1, -1, -1]]
+    assert r1.owner.tolist() == [[0, 1, -1, -1, -1], [-1, -1, 4, 5, 6]]

@@ -1,0 +1,61 @@
+"""Sparse mixture-of-experts MLP of the builtin engine (HF Qwen3-MoE / Qwen2-MoE numerics).
+
+Routing, as transformers 5.19 `Qwen2MoeTopKRouter` / `Qwen3MoeTopKRouter`:
+    p = softmax(x W_gate^T) in fp32;  (w, e) = top-k(p);  w /= sum(w) when norm_topk_prob;
+    y = sum_j w_j * expert_{e_j}(x)  [+ sigmoid(x . g) * shared_expert(x) for Qwen2-MoE],
+with expert(x) = down(silu(gate(x)) * up(x)). Attribute names mirror HF checkpoint names
+(`mlp.gate.weight`, `mlp.experts.3.up_proj.weight`, `mlp.shared_expert_gate.weight`).
+
+`routing_log`: when a list is set on the module, every forward appends the selected experts
+[tokens, k] (int, sorted ascending) of its input tokens, row-major over [batch, time].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ExpertMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), no biases."""
+
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, ffn, bias=False)
+        self.up_proj = nn.Linear(hidden, ffn, bias=False)
+        self.down_proj = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, hidden: int, num_experts: int, topk: int, expert_ffn: int, norm_topk_prob: bool,
+                 shared_expert_ffn: int = 0):
+        super().__init__()
+        self.topk, self.norm_topk_prob = topk, norm_topk_prob
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = nn.ModuleList(ExpertMLP(hidden, expert_ffn) for _ in range(num_experts))
+        if shared_expert_ffn:
+            self.shared_expert = ExpertMLP(hidden, shared_expert_ffn)
+            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+        self.routing_log: list[torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        h = x.reshape(-1, shape[-1])
+        probs = torch.softmax(self.gate(h), dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.topk, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(h.dtype)
+        if self.routing_log is not None:
+            self.routing_log.append(experts.sort(dim=-1).values)
+        out = torch.zeros_like(h)
+        for e in experts.unique().tolist():
+            rows, slot = (experts == e).nonzero(as_tuple=True)
+            out.index_add_(0, rows, self.experts[e](h[rows]) * weights[rows, slot, None])
+        if hasattr(self, "shared_expert"):
+            out = out + torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)
+        return out.view(shape)

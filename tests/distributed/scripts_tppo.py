@@ -1,0 +1,96 @@
+"""Worker for tests/distributed/test_tppo.py (2 gloo ranks, one launch, several cases).
+
+1. mismatch: the builtin engine samples responses from the HF weights; the trainer built at
+   TP=1 (DP=2), TP=2 and PP=2 from the same weights recomputes their log-probs ->
+   `ppo.logprob_mismatch` per layout (the regression gate bounds it).
+2. tppo: the RL loop with T-PPO windows run 4 steps straight, and 2 steps + resume to 4 in
+   another run dir -> metrics.jsonl rows of both, and the in-flight samples of the step-2
+   checkpoint (read back with torch.load(weights_only=True)).
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megarl.config import load_config
+from megarl.parallel.distributed import ParallelSizes, init_distributed
+from megarl.rollout import SamplingParams
+from megarl.rollout.builtin import BuiltinEngine
+from megarl.trainer import checkpoint, ppo
+from megarl.trainer.batch import StepBatch, Trajectory
+from megarl.trainer.build import load_hf_config_and_tokenizer
+from megarl.trainer.train_model import TrainModel
+
+LAYOUTS = [(1, 1), (2, 1), (1, 2)]
+
+
+def engine_batch(hf_dir: str, temperature: float) -> StepBatch:
+    """12 sampled responses (fixed seed: the same on every rank and layout) with the engine's log-probs."""
+    engine = BuiltinEngine.from_pretrained(hf_dir)
+    prompts = [[40 + i, 43, 50 + 2 * i, 61, 63] for i in range(6)]
+    samples = engine.generate(prompts, SamplingParams(n=2, temperature=temperature, max_new_tokens=16, seed=5))
+    return StepBatch.from_trajectories([
+        Trajectory(uid=str(s.index), prompt_ids=s.prompt_ids, response_ids=s.response_ids,
+                   rollout_logprobs=s.logprobs, finish_reason=s.finish_reason) for s in samples])
+
+
+def case_mismatch(cfg, hf_config) -> dict:
+    from megatron.core import parallel_state as ps
+
+    from megarl.weights import load_hf_weights
+
+    out = {}
+    for tp, pp in LAYOUTS:
+        init_distributed(ParallelSizes(tp=tp, pp=pp), seed=3)
+        model = TrainModel(hf_config, cfg.actor, dtype="fp32")
+        load_hf_weights(model.chunks, cfg.model.hf_path)
+        batch = engine_batch(cfg.model.hf_path, cfg.rollout.temperature)
+        rows, _ = ppo.local_minibatches(ppo.split_minibatches(
+            batch, len(batch), 0, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()))
+        local = batch.select(rows)
+        local.old_logprobs = ppo.compute_log_probs(model, local, cfg.rollout.temperature)
+        out[f"tp{tp}_pp{pp}"] = {**ppo.logprob_mismatch(local, ps.get_data_parallel_group()),
+                                 "tokens": int(batch.response_mask.sum())}
+    return out
+
+
+def case_tppo(cfg_path: str, overrides: list[str], root: Path) -> dict:
+    from megarl.trainer.loop import train
+
+    def run(run_dir, steps, resume):
+        cfg = load_config(cfg_path, overrides + [f"trainer.run_dir={run_dir}", f"trainer.total_steps={steps}",
+                                                 f"trainer.resume={str(resume).lower()}"])
+        train(cfg)
+
+    run(root / "straight", 4, False)
+    run(root / "resumed", 2, False)
+    state = torch.load(checkpoint.read_latest(root / "resumed") / "trainer_state.pt", weights_only=True)
+    run(root / "resumed", 4, True)
+    if dist.get_rank() != 0:
+        return {}
+    read = lambda p: [json.loads(x) for x in (p / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    return {"straight": read(root / "straight"), "resumed": read(root / "resumed"),
+            "checkpoint_step": state["step"], "in_flight": state["in_flight"]}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--root", required=True)
+    p.add_argument("--config", required=True)
+    p.add_argument("overrides", nargs="*")
+    a = p.parse_args()
+    cfg = load_config(a.config, a.overrides)
+    hf_config, _ = load_hf_config_and_tokenizer(cfg.model.hf_path)
+    res = {"mismatch": case_mismatch(cfg, hf_config)}
+    res["tppo"] = case_tppo(a.config, a.overrides, Path(a.root))
+    if dist.get_rank() == 0:
+        Path(a.out).write_text(json.dumps(res))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""Train-phase activation memory of tools/plan.py (bytes per GPU), and why a train phase overflows.
+
+Activations, per micro-batch of s = max_tokens_per_microbatch / CP tokens per GPU (context
+parallelism splits every sequence over CP GPUs), following the accounting of Korthikanti et al.
+2022, "Reducing Activation Recomputation in Large Transformer Models" (Eq. 1-4: 34*s*h + 5*a*s^2
+bytes per layer for GPT, i.e. 10*s*h replicated + 24*s*h TP-sharded + 5*a*s^2 attention scores;
+all TP-sharded with sequence parallelism), generalised to GQA and gated MLPs and with dropout
+masks dropped (Qwen uses dropout 0):
+    per token and layer   R = 8h             (2 norm inputs, QKV input, FC1 input; bf16)
+                          S = 4*a*d + 4*g*d  (Q and attention output; K and V)
+                            + 6*f            (gated FC1 output 2f, FC2 input f; bf16)
+                            + C              (core attention: 5*a*S_seq for unfused attention as in
+                                              Korthikanti, over the whole sequence's keys; 4*a
+                                              (fp32 log-sum-exp) for flash attention; 4*a*d + 4*a
+                                              (fp32 output and log-sum-exp) for megarl's local
+                                              attention; 0 with selective recompute)
+    bytes = s * (R + S/TP) without SP, s * (R + S)/TP with SP.
+    full recompute keeps only each chunk's input (2h per token, /TP with SP) plus one chunk
+    being recomputed; 1F1B keeps PP micro-batches in flight on the first stage
+    (PP * (1 + (PP-1)/(PP*VPP)) with interleaving).
+CP K/V exchange, B = max_tokens_per_microbatch (the whole packed row), e = 2 bytes (4 in fp32):
+    megarl's local attention (transformer_impl local) all-gathers every layer's K and V:
+    2 * B * (g/TP) * d * e per layer, kept for the backward like an activation (transient, one
+    layer's worth, with selective recompute); TE's ring p2p (other impls) keeps about two K/V
+    chunks in flight: 2 * 2 * (B/CP) * (g/TP) * d * e, transient.
+attention workspace (local attention only): fp32 scores, probabilities, dP, dS of one block of
+    queries over the sequence's keys, 16 * block * S_seq * a/TP bytes, transient (block: 16 to 512
+    queries, sized by the attention to keep one block's scores near 32 MiB).
+logits (last stage, actor): log-probs and entropy run over chunks of c = model.logprob_chunk_tokens
+    tokens: s * V/TP * 4 (bf16 logits + their bf16 gradient) + min(c, s) * V/TP * 12 (one
+    chunk's fp32 logits, softmax and gradient), never fp32 logits of the whole micro-batch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from megarl.config import MegaRLConfig
+
+if TYPE_CHECKING:
+    from plan import Arch, ModelState
+
+GIB = 1024**3
+
+
+LOCAL_SCORE_BLOCK_BYTES = 32 << 20  # megarl.models.attention.SCORE_BLOCK_BYTES: one query block's fp32 scores
+
+
+def core_attention_bytes_per_token(arch: Arch, cfg: MegaRLConfig, seq_len: float) -> float:
+    """Bytes per token and layer (before TP sharding) the core attention keeps for its backward.
+
+    selective recompute: 0 (the core attention is recomputed). megarl's local attention
+    (transformer_impl local): the float32 output and log-sum-exp it saves, 4*a*d + 4*a. Unfused
+    attention (attention_backend unfused / local under TE): Korthikanti's 5*a*s over the keys of
+    the sequence (s = seq_len, the whole sequence also under CP). Flash / fused: 4*a (log-sum-exp).
+    """
+    m = cfg.model
+    a, d = arch.heads, arch.head_dim
+    if m.recompute == "selective":
+        return 0.0
+    if m.transformer_impl == "local":
+        return 4.0 * a * d + 4.0 * a
+    if m.attention_backend in ("unfused", "local"):
+        return 5.0 * a * seq_len
+    return 4.0 * a
+
+
+def activation_bytes_per_token_layer(arch: Arch, cfg: MegaRLConfig, seq_len: float) -> float:
+    """Bytes kept per token per layer for backward (see module doc; Korthikanti et al. 2022)."""
+    m, tp = cfg.model, cfg.parallel.tp
+    h, a, g, d, f = arch.hidden, arch.heads, arch.kv_heads, arch.head_dim, arch.ffn
+    replicated = 8.0 * h
+    sharded = 4.0 * a * d + 4.0 * g * d + 6.0 * f + core_attention_bytes_per_token(arch, cfg, seq_len)
+    if m.sequence_parallel:
+        return (replicated + sharded) / tp
+    return replicated + sharded / tp
+
+
+def cp_kv_exchange_bytes(arch: Arch, cfg: MegaRLConfig, tokens: int) -> tuple[float, float]:
+    """(kept per layer, transient) bytes of the K/V exchanged over the CP group, on one GPU, for a
+    micro-batch of ``tokens`` tokens (all CP ranks together); (0, 0) at CP = 1.
+
+    megarl's local attention all-gathers every layer's K and V: full-sequence K and V of the
+    local KV heads, 2 * tokens * (g/TP) * d * bytes, kept for the backward (with selective
+    recompute they are gathered again in the backward: one layer's worth, transient).
+    TE (model.cp_comm_type): ring p2p (and a2a, a2a+p2p: re-sharded or chunked the same way)
+    keeps about two K/V chunks in flight during a layer, 2 * 2 * (tokens/CP) * (g/TP) * d * bytes;
+    allgather holds the full-sequence K/V of the layer, 2 * tokens * (g/TP) * d * bytes; transient.
+    """
+    p, m = cfg.parallel, cfg.model
+    if p.cp == 1:
+        return 0.0, 0.0
+    element = 4 if m.dtype == "fp32" else 2
+    kv_heads = arch.kv_heads / p.tp
+    if m.transformer_impl == "local":
+        full = 2.0 * tokens * kv_heads * arch.head_dim * element
+        return (0.0, full) if m.recompute == "selective" else (full, 0.0)
+    if m.cp_comm_type == "allgather":  # TE gathers the full-sequence K/V during the layer
+        return 0.0, 2.0 * tokens * kv_heads * arch.head_dim * element
+    return 0.0, 2.0 * 2.0 * tokens / p.cp * kv_heads * arch.head_dim * element
+
+
+def attention_workspace_bytes(arch: Arch, cfg: MegaRLConfig, row_tokens: float, seq_len: float) -> float:
+    """Transient bytes of megarl's local attention for one query block: float32 scores,
+    probabilities, dP and dS (4 x 4 bytes) of `block` queries x seq_len keys x a/TP heads, where the
+    attention picks block = clamp(LOCAL_SCORE_BLOCK_BYTES / (4 * a/TP * row_tokens), 16, 512);
+    flash / fused kernels keep theirs in on-chip memory (0)."""
+    if cfg.model.transformer_impl != "local":
+        return 0.0
+    heads = arch.heads / cfg.parallel.tp
+    block = max(16, min(512, LOCAL_SCORE_BLOCK_BYTES // int(4 * heads * max(1, row_tokens))))
+    return 16.0 * heads * block * seq_len
+
+
+def logits_bytes(arch: Arch, cfg: MegaRLConfig, tokens_per_gpu: float) -> float:
+    """Log-prob / entropy buffers on the last stage: the bf16 logits [s, V/TP] and their bf16
+    gradient (4 bytes per entry), plus one chunk of model.logprob_chunk_tokens tokens in float32
+    (the logits, the softmax the cross entropy keeps, their gradient: 12 bytes per entry), never
+    float32 logits of the whole micro-batch."""
+    vocab = arch.vocab / cfg.parallel.tp
+    chunk = min(cfg.model.logprob_chunk_tokens, tokens_per_gpu)
+    return tokens_per_gpu * vocab * 4.0 + chunk * vocab * 12.0
+
+
+def activation_bytes(arch: Arch, cfg: MegaRLConfig, role: str) -> dict[str, float]:
+    """Peak activation bytes on one GPU while training ``role`` (actor | critic).
+
+    Keys: layers (kept for the backward, x micro-batches in flight), kv_exchange (the CP K/V
+    buffers, kept and transient), workspace (transient attention blocks), logits, total.
+    """
+    p, m = cfg.parallel, cfg.model
+    budget = getattr(cfg, role).max_tokens_per_microbatch
+    s = budget / p.cp
+    seq_len = min(budget, cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
+    kv_kept, kv_transient = cp_kv_exchange_bytes(arch, cfg, budget)
+    per_layer = s * activation_bytes_per_token_layer(arch, cfg, seq_len)
+    layers = math.ceil(arch.layers / p.pp)
+    if m.recompute == "full":  # chunk inputs kept, whole layers only for the chunk being recomputed
+        chunk_input = s * 2.0 * arch.hidden / (p.tp if m.sequence_parallel else 1)
+        k = min(m.recompute_num_layers, layers)
+        if m.recompute_method == "uniform":
+            inputs, full_layers = math.ceil(layers / k) * chunk_input, k
+        else:  # block: the first k layers of the stage are recomputed (one at a time), the rest keep activations
+            inputs, full_layers = k * chunk_input, layers - k + 1
+    else:
+        inputs, full_layers = 0.0, layers
+    inflight = p.pp * (1 + (p.pp - 1) / (p.pp * p.vpp)) if p.vpp else p.pp
+    layer_acts = (inputs + full_layers * per_layer) * inflight
+    kv_exchange = full_layers * kv_kept * inflight + kv_transient
+    workspace = attention_workspace_bytes(arch, cfg, budget, seq_len)
+    logits = 0.0 if role == "critic" else logits_bytes(arch, cfg, s)
+    return {"layers": layer_acts, "kv_exchange": kv_exchange, "workspace": workspace, "logits": logits,
+            "total": layer_acts + kv_exchange + workspace + logits}
+
+
+TERM_ADVICE = {
+    "model states": "shard them further (parallel.tp / parallel.pp, more nodes for the distributed optimizer over "
+                    "DP x CP) or offload the optimizer (actor/critic.offload_optimizer)",
+    "layer activations": "split each sequence over more GPUs (parallel.cp: tokens per GPU = max_tokens_per_microbatch "
+                         "/ cp), recompute more (model.recompute=full) or use sequence parallelism",
+    "CP K/V exchange": "use model.recompute=selective (the gathered K/V are not kept) or Transformer Engine's ring "
+                       "attention (model.transformer_impl=transformer_engine)",
+    "attention workspace": "use Transformer Engine's fused attention (model.transformer_impl=transformer_engine) or "
+                           "raise parallel.tp",
+    "logits": "lower model.logprob_chunk_tokens, raise parallel.cp or parallel.tp",
+}
+
+
+def train_overflow_message(cfg: MegaRLConfig, states: list["ModelState"], acts: dict[str, dict[str, float]],
+                           peak: float, at_step: bool, cap: float, reserve: float) -> str:
+    """Why the train phase does not fit: its terms, the largest named with what shrinks it."""
+    resident = sum(s.resident for s in states)
+    if at_step:
+        terms = {"model states": peak - reserve}
+        detail = f"model states during the optimizer step {(peak - reserve) / GIB:.1f}"
+    else:
+        worst = max(acts, key=lambda k: acts[k]["total"])
+        a = acts[worst]
+        tokens = getattr(cfg, worst).max_tokens_per_microbatch / cfg.parallel.cp
+        terms = {"model states": resident, "layer activations": a["layers"], "CP K/V exchange": a["kv_exchange"],
+                 "attention workspace": a["workspace"], "logits": a["logits"]}
+        detail = (f"model states {resident / GIB:.1f} + {worst} activations at {tokens:,.0f} tokens per GPU: layers "
+                  f"{a['layers'] / GIB:.1f}, CP K/V exchange {a['kv_exchange'] / GIB:.1f}, attention workspace "
+                  f"{a['workspace'] / GIB:.1f}, logits {a['logits'] / GIB:.1f}")
+    top = max(terms, key=terms.get)
+    return (f"train phase needs {peak / GIB:.1f} GiB > {cap / GIB:.1f} GiB ({detail}, reserve {reserve / GIB:.1f}); "
+            f"the largest term is {top} ({terms[top] / GIB:.1f} GiB): {TERM_ADVICE[top]}")
