@@ -715,7 +715,7 @@ def check_cp2(ctx: Ctx) -> str:
             with torch.no_grad():
                 ref = [o.float().cpu() for o in packed_forward(megatron_model(ctx, impl, "bf16"), seqs)]
             _free_memory()
-            init_distributed(ParallelSizes(cp=2), seed=1234, timeout_minutes=ctx.args.timeout_minutes)
+            init_distributed(ParallelSizes(cp=2), seed=1234, timeout_s=ctx.args.timeout_minutes * 60)
             with torch.no_grad():
                 out = [o.float().cpu() for o in packed_forward(megatron_model(ctx, impl, "bf16"), seqs)]
             d = torch.cat([(o - r).abs().reshape(-1) for o, r in zip(out, ref)])
@@ -726,7 +726,7 @@ def check_cp2(ctx: Ctx) -> str:
             del model
             _free_memory()
         finally:
-            init_distributed(ParallelSizes(), seed=1234, timeout_minutes=ctx.args.timeout_minutes)
+            init_distributed(ParallelSizes(), seed=1234, timeout_s=ctx.args.timeout_minutes * 60)
         ok = ok and float(d.mean()) < tol and finite
         details.append(f"{impl}: |CP=2 - CP=1 logits| mean {_fmt(float(d.mean()))} max {_fmt(float(d.max()))}, "
                        f"train step finite {finite}")
@@ -807,7 +807,7 @@ def setup_distributed(ctx: Ctx) -> None:
 
         from megarl.parallel.distributed import ParallelSizes, init_distributed
 
-        init_distributed(ParallelSizes(), seed=1234, timeout_minutes=ctx.args.timeout_minutes)
+        init_distributed(ParallelSizes(), seed=1234, timeout_s=ctx.args.timeout_minutes * 60)
         ctx.dist_ok, ctx.rank, ctx.world = True, dist.get_rank(), dist.get_world_size()
         ctx.result_group = dist.new_group(backend="gloo", timeout=timedelta(minutes=ctx.args.timeout_minutes))
     except Exception as err:  # noqa: BLE001

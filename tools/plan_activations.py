@@ -104,12 +104,13 @@ def cp_kv_exchange_bytes(arch: Arch, cfg: MegaRLConfig, tokens: int) -> tuple[fl
 def attention_workspace_bytes(arch: Arch, cfg: MegaRLConfig, row_tokens: float, seq_len: float) -> float:
     """Transient bytes of megarl's local attention for one query block: float32 scores,
     probabilities, dP and dS (4 x 4 bytes) of `block` queries x seq_len keys x a/TP heads, where the
-    attention picks block = clamp(LOCAL_SCORE_BLOCK_BYTES / (4 * a/TP * row_tokens), 16, 512);
+    attention picks block = clamp(min(LOCAL_SCORE_BLOCK_BYTES / (4 * a/TP * row_tokens),
+    max(64, seq_len)), 16, 512);
     flash / fused kernels keep theirs in on-chip memory (0)."""
     if cfg.model.transformer_impl != "local":
         return 0.0
     heads = arch.heads / cfg.parallel.tp
-    block = max(16, min(512, LOCAL_SCORE_BLOCK_BYTES // int(4 * heads * max(1, row_tokens))))
+    block = max(16, min(512, max(64, int(seq_len)), LOCAL_SCORE_BLOCK_BYTES // int(4 * heads * max(1, row_tokens))))
     return 16.0 * heads * block * seq_len
 
 

@@ -393,7 +393,7 @@ def _microbatch(cfg):
     g = torch.Generator().manual_seed(1)
     batch.advantages = torch.randn(batch.response_mask.shape, generator=g) * batch.response_mask
     batch.returns = torch.randn(batch.response_mask.shape, generator=g) * batch.response_mask
-    mb = build_microbatch(batch, list(range(len(batch))), row_tokens=None).to(device())
+    mb = build_microbatch(batch, list(range(len(batch)))).to(device())
     out = torch.randn(*mb.input_ids.shape, 61, generator=g).to(device()).requires_grad_()
     return batch, mb, out
 
@@ -403,7 +403,8 @@ def obs_actor_loss(ctx, cfg):
 
     batch, mb, logits = _microbatch(cfg)
     with torch.no_grad():  # old log-probs near the current ones: ratios around 1, some clipped each way
-        logp = mb.gather(torch.log_softmax(logits.float(), -1).gather(-1, mb.targets.unsqueeze(-1)).squeeze(-1))
+        per_position = torch.log_softmax(logits.float(), -1).gather(-1, mb.targets.unsqueeze(-1)).squeeze(-1)
+        logp = per_position.reshape(-1)[mb.resp_index] * mb.data.response_mask
         mb.data.old_logprobs = logp + 0.4 * torch.sin(torch.arange(logp.numel(), device=logp.device).reshape(logp.shape))
     counts = ppo.global_counts(batch, list(range(len(batch))), None, batch.loss_mask)
     loss, logs = ppo.actor_loss_fn(cfg, counts, cfg.rollout.temperature)(mb, logits)

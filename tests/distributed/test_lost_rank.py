@@ -90,6 +90,8 @@ def test_a_lost_rank_ends_the_other_within_the_timeout_naming_the_phase(job_file
                 p.send_signal(signal.SIGKILL)
             p.communicate()
     waited = ended_at - lost_at
+    print(f"{how}: rank 0 ended {waited:.1f} s after rank 1 was lost:",
+          next(line for line in err.splitlines() if "CollectiveError:" in line)[:300])
     assert survivor.returncode != 0
     assert "CollectiveError: rank 0: a collective failed during phase 'actor_update'" in err, err[-3000:]
     assert f"parallel.collective_timeout_s={TIMEOUT_S:g}" in err and "trainer.resume=true" in err

@@ -111,7 +111,7 @@ def test_family_registry_and_specs():
     assert q3.head_dim == 24 and q3.qk_layernorm and not q3.add_qkv_bias
     q2 = arch_spec(transformers.Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=4))
     assert q2.add_qkv_bias and q2.head_dim == 16 and not q2.qk_layernorm
-    with pytest.raises(UnsupportedModelError, match=r"model_type='gpt2'.*\['llama', 'qwen2', 'qwen3'"):
+    with pytest.raises(UnsupportedModelError, match=r"model_type='gpt2'.*\['llama', 'qwen2', 'qwen2_moe', 'qwen3', 'qwen3_moe'"):
         arch_spec(transformers.GPT2Config())
     with pytest.raises(UnsupportedModelError, match="sliding"):
         arch_spec(transformers.Qwen2Config(use_sliding_window=True, sliding_window=16, max_window_layers=0))
