@@ -105,6 +105,11 @@ def write_task_files(out_dir: str | Path, n_sft: int, n_train: int, n_eval: int,
     splits = {"eval": _unique_pairs(rng, digits, n_eval, taken),
               "train": _unique_pairs(rng, digits, n_train, taken),
               "sft": _unique_pairs(rng, digits, n_sft, taken)}
+    return write_splits(out, splits)
+
+
+def write_splits(out: Path, splits: dict[str, list[tuple[int, int]]]) -> dict[str, Path]:
+    """<out>/<split>.jsonl for each split's (a, b) pairs, rows as `write_task_files` describes."""
     paths = {}
     for split, pairs in splits.items():
         path = out / f"{split}.jsonl"

@@ -15,12 +15,10 @@ long-tail runs seed it first: `python -m megarl.tasks.arith_longtail <run_dir>/t
 from __future__ import annotations
 
 import argparse
-import json
 import random
 from pathlib import Path
 
-from megarl.data.templates import apply_template
-from megarl.tasks.arith import DATA_SOURCE, cot_response, problem_text, sample_operand
+from megarl.tasks.arith import sample_operand, write_splits
 
 DIGIT_MIX = {3: 0.85, 8: 0.15}
 
@@ -52,20 +50,7 @@ def write_longtail_task_files(out_dir: str | Path, n_sft: int = 12000, n_train: 
     taken: set = set()
     splits = {split: draw_problems(rng, n, mix, taken) for split, n in (("eval", n_eval), ("train", n_train),
                                                                        ("sft", n_sft))}
-    paths = {}
-    for split, pairs in splits.items():
-        path = out / f"{split}.jsonl"
-        with path.open("w", encoding="utf-8") as f:
-            for i, (a, b) in enumerate(pairs):
-                problem = problem_text(a, b)
-                row = {"id": f"arith-{split}-{i}", "problem": problem, "answer": str(a + b)}
-                if split == "sft":
-                    row |= {"prompt": apply_template("arith", problem), "response": cot_response(a, b)}
-                else:
-                    row["data_source"] = DATA_SOURCE
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-        paths[split] = path
-    return paths
+    return write_splits(out, splits)
 
 
 if __name__ == "__main__":
