@@ -3,9 +3,10 @@
 `megarl quickstart [--nproc 2] [--config configs/quickstart.yaml] [key=value ...]` spawns
 torchrun with gloo ranks running `python -m megarl.quickstart`, which:
 
-1. builds a tiny Qwen2-architecture model + character tokenizer from scratch and writes the
-   synthetic arithmetic task (chain of thought ending in `Answer: <n>`),
-2. converts the HF model to a Megatron torch_dist checkpoint at the configured TP/PP,
+1. builds a tiny model (`quickstart.family`: dense Qwen2, or Qwen3-MoE / Qwen2-MoE with
+   `quickstart.num_experts` experts, top `quickstart.moe_topk`) + byte tokenizer from scratch and
+   writes the synthetic arithmetic task (chain of thought ending in `Answer: <n>`),
+2. converts the HF model to a Megatron torch_dist checkpoint at the configured TP/PP/EP,
 3. warm-starts it with SFT (deliberately short, so there is room to learn; a finished SFT of the
    same run dir with the same sft.* settings is reused),
 4. evaluates (greedy accuracy on held-out problems), runs RL, evaluates again,
@@ -83,15 +84,16 @@ def worker(argv: list[str]) -> None:
     model_dir, task_dir = run / "tiny_model", run / "task"
     if rank0:
         from megarl.tasks.arith import write_task_files
-        from megarl.tasks.tiny_model import TinyModelSpec, save_tiny_model
+        from megarl.tasks.tiny_model import save_tiny_model
 
         run.mkdir(parents=True, exist_ok=True)
         save_config(cfg, str(run / "config.yaml"))
         with phase("build"):
-            _write_once(model_dir, lambda tmp: save_tiny_model(tmp, TinyModelSpec(seed=cfg.trainer.seed)))
+            _write_once(model_dir, lambda tmp: save_tiny_model(tmp, tiny_model_spec(cfg)))
             _write_once(task_dir, lambda tmp: write_task_files(tmp, n_sft=12000, n_train=4000, n_eval=200,
                                                                seed=cfg.trainer.seed))
     dist.barrier()
+    _check_built_model(model_dir, cfg)
     cfg.model.hf_path = str(model_dir)
     cfg.sft.data_path = str(task_dir / "sft.jsonl")
     cfg.data.train_path = str(task_dir / "train.jsonl")
@@ -151,6 +153,31 @@ def worker(argv: list[str]) -> None:
 SFT_DONE = "sft_done.json"  # written after the SFT checkpoint is complete
 
 
+def tiny_model_spec(cfg):
+    """The tiny model of this quickstart: the default sizes, `quickstart.*` picks the family."""
+    from megarl.tasks.tiny_model import TinyModelSpec
+
+    q = cfg.quickstart
+    moe = q.family != "qwen2"
+    return TinyModelSpec(seed=cfg.trainer.seed, family=q.family, num_experts=q.num_experts if moe else 0,
+                         moe_topk=q.moe_topk if moe else 0, moe_intermediate=q.moe_intermediate if moe else 0)
+
+
+def _check_built_model(model_dir: Path, cfg) -> None:
+    """A run dir keeps the tiny model it was first built with: refuse quickstart.* settings that
+    describe another one (e.g. the MoE config pointed at a dense run dir)."""
+    from transformers import AutoConfig
+
+    built = AutoConfig.from_pretrained(model_dir)
+    spec = tiny_model_spec(cfg)
+    want = {"model_type": spec.family, "num_experts": spec.num_experts or None,
+            "num_experts_per_tok": spec.moe_topk or None, "moe_intermediate_size": spec.moe_intermediate or None}
+    have = {k: getattr(built, k, None) for k in want}
+    if have != want:
+        raise SystemExit(f"quickstart: {model_dir} holds a tiny model with {have}, but quickstart.* asks for {want}; "
+                         "use another trainer.run_dir")
+
+
 def _write_once(path: Path, write) -> None:
     """`write(tmp)` into `<path>.partial`, renamed to `path` when done; nothing if `path` exists."""
     if path.exists():
@@ -208,7 +235,9 @@ def _print_table(cfg, sft_out, before, after, t_sft, t_rl, wall) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"megarl quickstart ({cfg.algorithm.name}, TP={cfg.parallel.tp})")
+    q, p = cfg.quickstart, cfg.parallel
+    model = q.family if q.family == "qwen2" else f"{q.family} {q.num_experts} experts top-{q.moe_topk}"
+    t = Table(title=f"megarl quickstart ({cfg.algorithm.name}, {model}, TP={p.tp} EP={p.ep})")
     t.add_column("phase")
     t.add_column("steps", justify="right")
     t.add_column("wall s", justify="right")

@@ -11,6 +11,14 @@ over TP; norms replicated; the largest stage is reported):
   grads      2 * P_gpu (megatron DDP grad buffer in the param dtype)         actor, critic
   optimizer  12 * P_gpu / (DP * CP) with the distributed optimizer (fp32 master + Adam m, v),
              12 * P_gpu without it                                           actor, critic
+Mixture of experts (qwen3_moe, qwen2_moe): P_gpu = P_dense + P_expert, where P_dense is the
+  above without the routed experts (the router E x h and the shared expert gate replicated over
+  TP, the shared expert TP-sharded) and P_expert = layers_per_stage * E * 3*h*f_e / (EP * ETP)
+  (every GPU holds E/EP experts, each split over expert-TP; ETP = parallel.etp or tp). The
+  distributed optimizer shards P_dense over DP x CP = world / (TP * PP) and P_expert over the
+  expert-data-parallel group, EDP = world / (ETP * EP * PP):
+  optimizer  12 * P_dense / (DP * CP) + 12 * P_expert / EDP.
+  MoE activations, dispatcher (alltoall) and grouped GEMM buffers: tools/plan_activations.py.
   activations, CP K/V exchange, attention workspace and logits of the model being trained: see
              tools/plan_activations.py (per micro-batch of max_tokens_per_microbatch / CP tokens per GPU).
   rollout    the engine reserves rollout.mem_fraction of the GPU for its weights
@@ -27,10 +35,12 @@ is reported with its terms; the train phase names its largest term and the setti
 
 Time model (stated assumptions: --avg-prompt-len, --avg-response-len, --mfu, --decode-eff):
   training FLOPs = 6*N*T per epoch for actor and critic, 2*N*T per forward-only pass (old
-  log-probs, reference, values), plus causal attention 4*L*a*d*c per token forward (c = mean
+  log-probs, reference, values; N = the parameters a token passes through, for an MoE model its
+  active parameters: k of the E routed experts), plus causal attention 4*L*a*d*c per token forward (c = mean
   context), x3 for forward + backward (x4 with full recompute); time = FLOPs / (GPUs * peak * MFU).
   decode: per engine step time = max((weight bytes + KV bytes read) / (HBM bw * eff),
-  2*N*batch / (rollout_tp * peak * eff)); steps = max(longest response, tokens per engine /
+  2*N*batch / (rollout_tp * peak * eff)), weight bytes = all parameters (a decode batch of
+  hundreds of tokens routes to nearly every expert); steps = max(longest response, tokens per engine /
   concurrent sequences the KV cache holds).
 """
 
@@ -57,6 +67,7 @@ from plan_activations import (  # noqa: E402,F401  (the memory model's parts, re
     logits_bytes, train_overflow_message)
 
 GIB = 1024**3
+MOE_IMBALANCE = 2.0  # the busiest EP rank receives 2x the mean routed tokens (RL: no load-balancing loss)
 
 
 @dataclass(frozen=True)
@@ -75,7 +86,9 @@ GPUS = {
 
 @dataclass(frozen=True)
 class Arch:
-    """Dense decoder architecture read from an HF config.json."""
+    """Decoder architecture read from an HF config.json: dense, or MoE when num_experts > 0 (every
+    layer's MLP = router + num_experts routed experts of moe_ffn, moe_topk per token, + an
+    optional shared expert of shared_ffn with a sigmoid gate, as Qwen2-MoE)."""
 
     hidden: int
     layers: int
@@ -87,13 +100,19 @@ class Arch:
     tie_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
+    num_experts: int = 0
+    moe_topk: int = 0
+    moe_ffn: int = 0
+    shared_ffn: int = 0
 
     @classmethod
     def from_hf(cls, hf: dict) -> "Arch":
-        if any(hf.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts")):
-            raise ConfigError("planner: MoE models are not modelled yet (dense decoders only)")
-        heads = hf["num_attention_heads"]
         model_type = hf.get("model_type", "")
+        if any(hf.get(k) for k in ("num_local_experts", "n_routed_experts")) or (
+                hf.get("num_experts") and model_type not in ("qwen3_moe", "qwen2_moe")):
+            raise ConfigError(f"planner: MoE model_type {model_type!r} is not modelled (qwen3_moe and qwen2_moe are)")
+        heads = hf["num_attention_heads"]
+        experts = int(hf.get("num_experts") or 0)
         return cls(
             hidden=hf["hidden_size"],
             layers=hf["num_hidden_layers"],
@@ -103,19 +122,37 @@ class Arch:
             ffn=hf["intermediate_size"],
             vocab=hf["vocab_size"],
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+            qkv_bias=bool(hf.get("attention_bias", model_type in ("qwen2", "qwen2_moe"))),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            num_experts=experts,
+            moe_topk=int(hf.get("num_experts_per_tok") or 0) if experts else 0,
+            moe_ffn=int(hf.get("moe_intermediate_size") or 0) if experts else 0,
+            shared_ffn=int(hf.get("shared_expert_intermediate_size") or 0) if experts else 0,
         )
 
-    def layer_params(self) -> int:
-        """q, k, v, o projections (+ q/k/v bias), gated MLP (gate, up, down), two norms."""
-        h, a, g, d, f = self.hidden, self.heads, self.kv_heads, self.head_dim, self.ffn
+    def _attention_params(self) -> int:
+        """q, k, v, o projections (+ q/k/v bias)."""
+        h, a, g, d = self.hidden, self.heads, self.kv_heads, self.head_dim
         attn = h * a * d + 2 * h * g * d + a * d * h
-        if self.qkv_bias:
-            attn += a * d + 2 * g * d
-        if self.qk_norm:
-            attn += 2 * d
-        return attn + 3 * h * f + 2 * h
+        return attn + (a * d + 2 * g * d if self.qkv_bias else 0)
+
+    def _replicated_layer_params(self) -> int:
+        """Per layer, replicated over TP: two norms (2h), q/k norms (2d), MoE router (E*h) and
+        shared expert gate (h)."""
+        out = 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
+        if self.num_experts:
+            out += self.num_experts * self.hidden + (self.hidden if self.shared_ffn else 0)
+        return out
+
+    def expert_layer_params(self) -> int:
+        """Routed experts of one layer: E gated MLPs (gate, up, down) of moe_ffn, E * 3*h*f_e."""
+        return self.num_experts * 3 * self.hidden * self.moe_ffn
+
+    def layer_params(self) -> int:
+        """Attention, norms and the MLP: gated (3*h*f) when dense; router, routed experts and the
+        shared expert (3*h*f_s) when MoE."""
+        mlp = 3 * self.hidden * (self.shared_ffn if self.num_experts else self.ffn)
+        return self._attention_params() + mlp + self.expert_layer_params() + self._replicated_layer_params()
 
     def total_params(self, value_head: bool = False) -> int:
         """All parameters; a critic replaces the LM head with a scalar value head (h + 1)."""
@@ -123,16 +160,29 @@ class Arch:
         head = (self.hidden + 1) if value_head else (0 if self.tie_embeddings else emb)
         return emb + self.layers * self.layer_params() + self.hidden + head
 
-    def stage_params(self, tp: int, pp: int, value_head: bool = False) -> int:
-        """Parameters on one GPU of the largest pipeline stage (TP-sharded; norms replicated)."""
+    def active_params(self, value_head: bool = False) -> int:
+        """Parameters one token passes through: all of them less the routed experts it is not sent
+        to, layers * (E - k) * 3*h*f_e (= total_params for a dense model)."""
+        idle = self.layers * (self.num_experts - self.moe_topk) * 3 * self.hidden * self.moe_ffn
+        return self.total_params(value_head) - idle
+
+    def stage_expert_params(self, pp: int, ep: int = 1, etp: int = 1) -> int:
+        """Routed-expert parameters on one GPU: layers_per_stage * E * 3*h*f_e / (EP * ETP)."""
+        return math.ceil(self.layers / pp) * self.expert_layer_params() // (ep * etp)
+
+    def stage_params(self, tp: int, pp: int, value_head: bool = False, ep: int = 1, etp: int | None = None) -> int:
+        """Parameters on one GPU of the largest pipeline stage (TP-sharded; norms, router
+        replicated; routed experts over EP x ETP, ETP = etp or tp)."""
         layers_per_stage = math.ceil(self.layers / pp)
-        sharded_layer = (self.layer_params() - 2 * self.hidden - (2 * self.head_dim if self.qk_norm else 0)) / tp
-        per_layer = sharded_layer + 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
+        replicated = self._replicated_layer_params()
+        sharded_layer = (self.layer_params() - replicated - self.expert_layer_params()) / tp
+        per_layer = sharded_layer + replicated
         emb = self.vocab * self.hidden / tp
         head = (self.hidden + 1) if value_head else (emb if (not self.tie_embeddings or pp > 1) else 0)
         first = emb + layers_per_stage * per_layer + (head + self.hidden if pp == 1 else 0)
         last = layers_per_stage * per_layer + self.hidden + head + (emb if pp == 1 else 0)
-        return int(math.ceil(max(first, last) if pp > 1 else first))
+        dense = int(math.ceil(max(first, last) if pp > 1 else first))
+        return dense + self.stage_expert_params(pp, ep, etp or tp)
 
     def kv_bytes_per_token(self, rollout_tp: int) -> float:
         """KV cache per token on one engine GPU: 2 (K, V) * layers * kv_heads * head_dim * 2 bytes
@@ -181,23 +231,30 @@ class ModelState:
 
 def model_states(arch: Arch, cfg: MegaRLConfig, world: int) -> list[ModelState]:
     p = cfg.parallel
+    etp = p.etp or p.tp
     dp_cp = world // (p.tp * p.pp)  # the distributed optimizer shards over DP x CP
+    edp = max(1, world // (etp * p.ep * p.pp))  # ... and expert parameters over expert-DP
     wbytes = 4 if cfg.model.dtype == "fp32" else 2
     out = []
     roles = [("actor", False)] + ([("critic", True)] if cfg.critic.enable else [])
     for role, value_head in roles:
         o = getattr(cfg, role)
-        n = arch.stage_params(p.tp, p.pp, value_head)
-        opt = 12.0 * n / (dp_cp if o.use_distributed_optimizer else 1)
+        n = arch.stage_params(p.tp, p.pp, value_head, p.ep, etp)
+        experts = arch.stage_expert_params(p.pp, p.ep, etp)
+        if o.use_distributed_optimizer:
+            opt = 12.0 * (n - experts) / dp_cp + 12.0 * experts / edp
+        else:
+            opt = 12.0 * n
         out.append(ModelState(role, n, wbytes * n, wbytes * n, opt, o.offload_optimizer))
     if cfg.algorithm.kl_coef > 0 or cfg.algorithm.kl_in_reward:
-        n = arch.stage_params(p.tp, p.pp)
+        n = arch.stage_params(p.tp, p.pp, False, p.ep, etp)
         out.append(ModelState("reference", n, wbytes * n, 0.0, 0.0, False))
     return out
 
 
 @dataclass
 class Plan:
+    arch: Arch
     gpu: GPU
     world: int
     dp: int
@@ -221,7 +278,7 @@ class Plan:
 
 def plan(cfg: MegaRLConfig, arch: Arch, hf: dict, gpu: GPU, reserve_gib: float = 6.0,
          avg_prompt_len: int | None = None, avg_response_len: int | None = None,
-         mfu: float = 0.4, decode_eff: float = 0.6, gen_rounds: int = 1) -> Plan:
+         mfu: float = 0.4, decode_eff: float = 0.6, gen_rounds: int = 1, moe_imbalance: float = MOE_IMBALANCE) -> Plan:
     p, r = cfg.parallel, cfg.rollout
     world = p.nodes * p.gpus_per_node
     problems: list[str] = []
@@ -234,7 +291,7 @@ def plan(cfg: MegaRLConfig, arch: Arch, hf: dict, gpu: GPU, reserve_gib: float =
     reserve = reserve_gib * GIB
     cap = gpu.mem_bytes
     states = model_states(arch, cfg, world)
-    acts = {s.role: activation_bytes(arch, cfg, s.role) for s in states if s.role != "reference"}
+    acts = {s.role: activation_bytes(arch, cfg, s.role, moe_imbalance) for s in states if s.role != "reference"}
 
     # rollout phase: engine share (static reservation) + whatever training state stays resident
     engine_share = r.mem_fraction * cap
@@ -260,7 +317,7 @@ def plan(cfg: MegaRLConfig, arch: Arch, hf: dict, gpu: GPU, reserve_gib: float =
     if train_peak > cap:
         problems.append(train_overflow_message(cfg, states, acts, train_peak, step > fwd_bwd, cap, reserve))
 
-    out = Plan(gpu, world, dp, arch.total_params(), states, acts, engine_share, engine_weights, kv_pool,
+    out = Plan(arch, gpu, world, dp, arch.total_params(), states, acts, engine_share, engine_weights, kv_pool,
                kv_tokens, rollout_peak, train_peak, reserve, problems)
     out.time = step_time(cfg, arch, gpu, world, kv_tokens, avg_prompt_len, avg_response_len, mfu, decode_eff, gen_rounds)
     return out
@@ -278,8 +335,8 @@ def step_time(cfg: MegaRLConfig, arch: Arch, gpu: GPU, world: int, kv_tokens: fl
     resp = avg_response_len if avg_response_len is not None else r.max_new_tokens // 2
     resp = min(resp, gen_cap)
     seq = prompt + resp
-    n_actor = arch.total_params()
-    n_critic = arch.total_params(value_head=True)
+    n_actor = arch.active_params()  # FLOPs per token: the experts a token is routed to
+    n_critic = arch.active_params(value_head=True)
     samples = r.prompts_per_step * r.n_samples_per_prompt
     tokens = samples * seq
     attn_fwd_per_token = 4.0 * arch.layers * arch.heads * arch.head_dim * (seq / 2)
@@ -300,7 +357,7 @@ def step_time(cfg: MegaRLConfig, arch: Arch, gpu: GPU, world: int, kv_tokens: fl
     seqs_per_engine = math.ceil(gen_prompts * r.n_samples_per_prompt / max(engines, 1))
     concurrent = max(1, min(seqs_per_engine, int(kv_tokens // seq)))
     steps = max(gen_cap, math.ceil(seqs_per_engine * resp / concurrent))
-    weight_bytes = 2.0 * n_actor / p.rollout_tp
+    weight_bytes = 2.0 * arch.total_params() / p.rollout_tp  # a decode batch touches nearly every expert
     kv_read = concurrent * (seq / 2) * arch.kv_bytes_per_token(p.rollout_tp)
     t_mem = (weight_bytes + kv_read) / (gpu.hbm_bytes_per_s * decode_eff)
     t_flops = 2.0 * n_actor * concurrent / (p.rollout_tp * gpu.bf16_flops * decode_eff)
@@ -320,20 +377,27 @@ def format_plan(cfg: MegaRLConfig, pl: Plan, arch_src: str) -> str:
     p = cfg.parallel
     g = lambda b: f"{b / GIB:7.1f} GiB"  # noqa: E731
     lines = [
-        f"model {cfg.model.name or cfg.model.hf_path} ({pl.params_total / 1e9:.2f}B params, from {arch_src})",
+        f"model {cfg.model.name or cfg.model.hf_path} ({pl.params_total / 1e9:.2f}B params"
+        + (f", {pl.arch.active_params() / 1e9:.2f}B active: {pl.arch.num_experts} experts, top-{pl.arch.moe_topk}"
+           if pl.arch.num_experts else "") + f", from {arch_src})",
         f"layout: {p.nodes} nodes x {p.gpus_per_node} {pl.gpu.name} = {pl.world} GPUs; tp={p.tp} pp={p.pp} cp={p.cp} "
-        f"dp={pl.dp} vpp={p.vpp} sp={cfg.model.sequence_parallel} recompute={cfg.model.recompute} rollout_tp={p.rollout_tp}",
+        f"dp={pl.dp} vpp={p.vpp} sp={cfg.model.sequence_parallel} recompute={cfg.model.recompute} rollout_tp={p.rollout_tp}"
+        + (f" ep={p.ep} etp={p.etp or p.tp} edp={max(1, pl.world // ((p.etp or p.tp) * p.ep * p.pp))}"
+           if pl.arch.num_experts else ""),
         "",
         "per-GPU memory",
     ]
     for s in pl.states:
-        lines.append(f"  {s.role:<9} params/GPU {s.params_gpu / 1e9:6.2f}B  weights {g(s.weights)}  grads {g(s.grads)}  "
+        experts = pl.arch.stage_expert_params(p.pp, p.ep, p.etp or p.tp)
+        lines.append(f"  {s.role:<9} params/GPU {s.params_gpu / 1e9:6.2f}B"
+                     + (f" ({experts / 1e9:.2f}B routed experts)" if experts else "") + f"  weights {g(s.weights)}  grads {g(s.grads)}  "
                      f"optimizer {g(s.optimizer)}{' (offloaded)' if s.offload_optimizer else ''}")
     for role, a in pl.activations.items():
         budget = getattr(cfg, role).max_tokens_per_microbatch
         kv_mib = a["kv_exchange"] / 2**20
+        moe = f", MoE dispatcher + grouped GEMM buffers {g(a['moe_buffers'])}" if pl.arch.num_experts else ""
         lines.append(f"  {role:<9} activations {g(a['total'])} (layers {g(a['layers'])}, CP K/V {kv_mib:,.0f} MiB, "
-                     f"attention workspace {g(a['workspace'])}, logits {g(a['logits'])}) at {budget} tokens/micro-batch "
+                     f"attention workspace {g(a['workspace'])}, logits {g(a['logits'])}{moe}) at {budget} tokens/micro-batch "
                      f"= {budget // p.cp} per GPU")
     lines += [
         f"  engine    share {g(pl.engine_share)} (weights {g(pl.engine_weights)}, KV pool {g(max(pl.kv_pool, 0))} "
@@ -367,6 +431,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--avg-prompt-len", type=int, help="mean prompt tokens (default min(256, max_prompt_len))")
     ap.add_argument("--avg-response-len", type=int, help="mean response tokens (default max_new_tokens / 2)")
     ap.add_argument("--gen-rounds", type=int, default=1, help="dynamic-sampling generation rounds per step")
+    ap.add_argument("--moe-imbalance", type=float, default=MOE_IMBALANCE,
+                    help="MoE: routed tokens on the busiest EP rank over the mean (1 = perfectly balanced)")
     ap.add_argument("overrides", nargs="*", help="dotted config overrides")
     return ap
 
@@ -378,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config([args.recipe, *args.layout], overrides)
         arch, hf, src = load_arch(cfg, args.model_json)
         pl = plan(cfg, arch, hf, GPUS[args.gpu], args.reserve_gib, args.avg_prompt_len, args.avg_response_len,
-                  args.mfu, args.decode_eff, args.gen_rounds)
+                  args.mfu, args.decode_eff, args.gen_rounds, args.moe_imbalance)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -29,6 +29,21 @@ attention workspace (local attention only): fp32 scores, probabilities, dP, dS o
 logits (last stage, actor): log-probs and entropy run over chunks of c = model.logprob_chunk_tokens
     tokens: s * V/TP * 4 (bf16 logits + their bf16 gradient) + min(c, s) * V/TP * 12 (one
     chunk's fp32 logits, softmax and gradient), never fp32 logits of the whole micro-batch.
+Mixture of experts (megatron's MoE layer, alltoall token dispatcher; megatron requires SP at
+    TP > 1, so a GPU routes its t = s/TP tokens, t = s at TP = 1). E experts, top k, expert FFN
+    f_e, ETP = parallel.etp or TP, u = the routing imbalance (tokens the busiest EP rank receives
+    over the mean k*t; RL runs without a load-balancing loss). The MLP term 6f of S becomes 6*f_s
+    for a shared expert (0 without one), and per local token and layer the MoE layer keeps
+        M = 8E              (router logits and probabilities, fp32)
+          + 2*k*ETP*h * u   (the expert inputs: k routed copies, all-gathered over expert-TP)
+          + 6*k*f_e * u     (SwiGLU FC1 output 2*f_e/ETP and FC2 input f_e/ETP, bf16, of k*t*ETP
+                             routed copies)
+          + 2*k*h           (expert outputs back on the source rank: the probabilities' gradient)
+    bytes = s * ((R + S)/TP + M/TP) (SP; s * (R + S/TP + M) at TP = 1).
+    Transient, one layer at a time (moe_buffers): the dispatcher's permuted send buffer and
+    receive buffer, 2*k*t*h + 2*k*t*h*u bytes (+ 2*k*t*ETP*h*u for the expert-TP all-gather when
+    ETP > 1), and the grouped GEMM's gradient buffers of the FC1 output and FC2 input in the
+    backward, 6*k*t*f_e*u bytes.
 """
 
 from __future__ import annotations
@@ -66,15 +81,36 @@ def core_attention_bytes_per_token(arch: Arch, cfg: MegaRLConfig, seq_len: float
     return 4.0 * a
 
 
-def activation_bytes_per_token_layer(arch: Arch, cfg: MegaRLConfig, seq_len: float) -> float:
+def moe_bytes_per_local_token(arch: Arch, cfg: MegaRLConfig, imbalance: float = 1.0) -> float:
+    """M of the module doc: bytes an MoE layer keeps for the backward per token the GPU routes."""
+    if not arch.num_experts:
+        return 0.0
+    h, k, fe, etp = arch.hidden, arch.moe_topk, arch.moe_ffn, cfg.parallel.etp or cfg.parallel.tp
+    return 8.0 * arch.num_experts + (2.0 * k * etp * h + 6.0 * k * fe) * imbalance + 2.0 * k * h
+
+
+def moe_buffer_bytes(arch: Arch, cfg: MegaRLConfig, local_tokens: float, imbalance: float = 1.0) -> float:
+    """Transient dispatcher + grouped GEMM buffers of one MoE layer for `local_tokens` routed
+    tokens (module doc): 2kth + 2kthu (+ 2k*t*ETP*h*u at ETP > 1) + 6k*t*f_e*u bytes."""
+    if not arch.num_experts:
+        return 0.0
+    h, k, fe, etp = arch.hidden, arch.moe_topk, arch.moe_ffn, cfg.parallel.etp or cfg.parallel.tp
+    t = local_tokens
+    dispatch = 2.0 * k * t * h + 2.0 * k * t * h * imbalance + (2.0 * k * t * etp * h * imbalance if etp > 1 else 0.0)
+    return dispatch + 6.0 * k * t * fe * imbalance
+
+
+def activation_bytes_per_token_layer(arch: Arch, cfg: MegaRLConfig, seq_len: float, moe_imbalance: float = 1.0) -> float:
     """Bytes kept per token per layer for backward (see module doc; Korthikanti et al. 2022)."""
     m, tp = cfg.model, cfg.parallel.tp
-    h, a, g, d, f = arch.hidden, arch.heads, arch.kv_heads, arch.head_dim, arch.ffn
+    h, a, g, d = arch.hidden, arch.heads, arch.kv_heads, arch.head_dim
+    f = arch.shared_ffn if arch.num_experts else arch.ffn
     replicated = 8.0 * h
     sharded = 4.0 * a * d + 4.0 * g * d + 6.0 * f + core_attention_bytes_per_token(arch, cfg, seq_len)
+    moe = moe_bytes_per_local_token(arch, cfg, moe_imbalance)
     if m.sequence_parallel:
-        return (replicated + sharded) / tp
-    return replicated + sharded / tp
+        return (replicated + sharded + moe) / tp
+    return replicated + sharded / tp + moe
 
 
 def cp_kv_exchange_bytes(arch: Arch, cfg: MegaRLConfig, tokens: int) -> tuple[float, float]:
@@ -124,18 +160,19 @@ def logits_bytes(arch: Arch, cfg: MegaRLConfig, tokens_per_gpu: float) -> float:
     return tokens_per_gpu * vocab * 4.0 + chunk * vocab * 12.0
 
 
-def activation_bytes(arch: Arch, cfg: MegaRLConfig, role: str) -> dict[str, float]:
+def activation_bytes(arch: Arch, cfg: MegaRLConfig, role: str, moe_imbalance: float = 1.0) -> dict[str, float]:
     """Peak activation bytes on one GPU while training ``role`` (actor | critic).
 
     Keys: layers (kept for the backward, x micro-batches in flight), kv_exchange (the CP K/V
-    buffers, kept and transient), workspace (transient attention blocks), logits, total.
+    buffers, kept and transient), workspace (transient attention blocks), logits, moe_buffers
+    (transient dispatcher + grouped GEMM buffers of one MoE layer), total.
     """
     p, m = cfg.parallel, cfg.model
     budget = getattr(cfg, role).max_tokens_per_microbatch
     s = budget / p.cp
     seq_len = min(budget, cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
     kv_kept, kv_transient = cp_kv_exchange_bytes(arch, cfg, budget)
-    per_layer = s * activation_bytes_per_token_layer(arch, cfg, seq_len)
+    per_layer = s * activation_bytes_per_token_layer(arch, cfg, seq_len, moe_imbalance)
     layers = math.ceil(arch.layers / p.pp)
     if m.recompute == "full":  # chunk inputs kept, whole layers only for the chunk being recomputed
         chunk_input = s * 2.0 * arch.hidden / (p.tp if m.sequence_parallel else 1)
@@ -151,8 +188,9 @@ def activation_bytes(arch: Arch, cfg: MegaRLConfig, role: str) -> dict[str, floa
     kv_exchange = full_layers * kv_kept * inflight + kv_transient
     workspace = attention_workspace_bytes(arch, cfg, budget, seq_len)
     logits = 0.0 if role == "critic" else logits_bytes(arch, cfg, s)
+    moe_buffers = moe_buffer_bytes(arch, cfg, s / p.tp if m.sequence_parallel else s, moe_imbalance)
     return {"layers": layer_acts, "kv_exchange": kv_exchange, "workspace": workspace, "logits": logits,
-            "total": layer_acts + kv_exchange + workspace + logits}
+            "moe_buffers": moe_buffers, "total": layer_acts + kv_exchange + workspace + logits + moe_buffers}
 
 
 TERM_ADVICE = {
@@ -165,6 +203,7 @@ TERM_ADVICE = {
     "attention workspace": "use Transformer Engine's fused attention (model.transformer_impl=transformer_engine) or "
                            "raise parallel.tp",
     "logits": "lower model.logprob_chunk_tokens, raise parallel.cp or parallel.tp",
+    "MoE buffers": "lower max_tokens_per_microbatch or raise parallel.cp / parallel.tp (fewer tokens routed per GPU)",
 }
 
 
@@ -180,10 +219,10 @@ def train_overflow_message(cfg: MegaRLConfig, states: list["ModelState"], acts: 
         a = acts[worst]
         tokens = getattr(cfg, worst).max_tokens_per_microbatch / cfg.parallel.cp
         terms = {"model states": resident, "layer activations": a["layers"], "CP K/V exchange": a["kv_exchange"],
-                 "attention workspace": a["workspace"], "logits": a["logits"]}
+                 "attention workspace": a["workspace"], "logits": a["logits"], "MoE buffers": a["moe_buffers"]}
         detail = (f"model states {resident / GIB:.1f} + {worst} activations at {tokens:,.0f} tokens per GPU: layers "
                   f"{a['layers'] / GIB:.1f}, CP K/V exchange {a['kv_exchange'] / GIB:.1f}, attention workspace "
-                  f"{a['workspace'] / GIB:.1f}, logits {a['logits'] / GIB:.1f}")
+                  f"{a['workspace'] / GIB:.1f}, logits {a['logits'] / GIB:.1f}, MoE buffers {a['moe_buffers'] / GIB:.1f}")
     top = max(terms, key=terms.get)
     return (f"train phase needs {peak / GIB:.1f} GiB > {cap / GIB:.1f} GiB ({detail}, reserve {reserve / GIB:.1f}); "
             f"the largest term is {top} ({terms[top] / GIB:.1f} GiB): {TERM_ADVICE[top]}")

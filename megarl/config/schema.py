@@ -69,6 +69,16 @@ class ModelConfig:
         4096, "log-probs / entropy / values are computed over this many response tokens at a time (with "
         "gradients, each chunk is recomputed in the backward): float32 logits memory is chunk x vocab/tp"
     )
+    moe_aux_loss_coeff: float = doc_field(
+        0.0, "MoE load-balancing loss coefficient (megatron moe_aux_loss_coeff); 0 = off, the RL default (the "
+        "router is trained by the policy loss only)"
+    )
+    moe_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss"] = doc_field(
+        "aux_loss", "megatron moe_router_load_balancing_type used when model.moe_aux_loss_coeff > 0"
+    )
+    freeze_router: bool = doc_field(
+        False, "MoE: the routers' weights get no gradient and no optimizer state (they stay as loaded)"
+    )
 
 
 @dataclass
@@ -104,6 +114,15 @@ class DataConfig:
     max_prompt_len: int = doc_field(2048, "prompts longer than this many tokens are skipped and counted")
     shuffle: bool = doc_field(True, "shuffle the training prompts every epoch")
     seed: int = doc_field(42, "data shuffling seed")
+    first_sources: list[str] = doc_field(
+        [], "data sources trained first (RLHF data-scaling paper: [math, code]); their share of each batch "
+        "starts at 1 and decays to their share of the dataset over data.first_sources_steps"
+    )
+    first_sources_steps: int = doc_field(0, "steps over which the first sources' share decays to the natural mix")
+    first_sources_decay: str = doc_field(
+        "linear", "linear (share 1 -> natural linearly) or step (only first sources, then the natural mix); "
+        "the paper does not state the schedule"
+    )
 
 
 @dataclass
@@ -224,11 +243,21 @@ class AlgorithmConfig:
         "(weight min(rho, C)), mis (tokens with rho > C leave the policy loss, the rest weighted by rho); null = off"
     )
     rollout_is_cap: float = doc_field(2.0, "C of algorithm.rollout_is: the TIS weight cap / the MIS ratio threshold (>= 1)")
+    routing_replay: bool = doc_field(
+        False, "MoE routing replay (R3): the rollout engine records every token's experts and the actor's routers use "
+        "them in the old-log-prob and training passes (megarl.models.routing); MoE models only. The per-step metric "
+        "moe/routing_agreement is logged for MoE models either way"
+    )
     retrain_earlier_windows: bool = doc_field(
         False, "T-PPO: the policy loss also covers the earlier windows of a continuing response (not stated in the "
         "paper); false = only the tokens of the current window"
     )
-    value_pretrain_steps: int = doc_field(0, "critic-only warm-up steps before policy updates (VAPO 50)")
+    value_pretrain_steps: int = doc_field(
+        0, "critic-only warm-up steps before policy updates (VAPO 50); with value_pretrain_ev_target, the cap")
+    value_pretrain_ev_target: float | None = doc_field(
+        None, "end value pretraining early, at the first step whose critic/explained_variance (values before "
+        "that step's critic update, on its fresh rollouts) is >= this; policy training and the actor's lr "
+        "schedule start at the next step (checkpointed). null = always value_pretrain_steps steps")
     ppo_epochs: int = doc_field(1, "passes over each rollout batch")
     mini_batch_size: int = doc_field(512, "samples per optimizer step")
 
@@ -296,6 +325,17 @@ class SftConfig:
     max_len: int = doc_field(4096, "longer samples are skipped and counted")
 
 
+@dataclass
+class QuickstartConfig:
+    family: Literal["qwen2", "qwen3_moe", "qwen2_moe"] = doc_field(
+        "qwen2", "tiny model that megarl quickstart builds: dense Qwen2, or Qwen3-MoE / Qwen2-MoE (shared expert)")
+    num_experts: int = doc_field(8, "experts per MoE layer of the tiny MoE model (MoE families only)")
+    moe_topk: int = doc_field(2, "experts each token is routed to (MoE families only)")
+    moe_intermediate: int = doc_field(
+        192, "FFN size of each expert (and of qwen2_moe's shared expert); dense intermediate 384 / moe_topk = "
+        "the dense model's MLP FLOPs per token")
+
+
 def default_reward() -> dict[str, Any]:
     return {"correct_score": 1.0, "incorrect_score": -1.0}
 
@@ -315,3 +355,4 @@ class MegaRLConfig:
     trainer: TrainerConfig = doc_field(TrainerConfig(), "loop, checkpoints, logging")
     eval: EvalConfig = doc_field(EvalConfig(), "evaluation sampling")
     sft: SftConfig = doc_field(SftConfig(), "supervised fine-tuning (megarl sft)")
+    quickstart: QuickstartConfig = doc_field(QuickstartConfig(), "the tiny model of megarl quickstart")

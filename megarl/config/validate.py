@@ -55,15 +55,18 @@ def validate_config(cfg: MegaRLConfig, where: Callable[[str], str] | None = None
     e.check(p.vpp is None or (p.vpp >= 1 and p.pp > 1), "parallel.vpp", f"needs parallel.pp > 1 and vpp >= 1 (pp={p.pp}, vpp={p.vpp})")
     e.check(p.etp is None or p.etp >= 1, "parallel.etp", f"must be >= 1 or null, got {p.etp}")
     e.check(not m.sequence_parallel or p.tp > 1, "model.sequence_parallel", "needs parallel.tp > 1")
-    e.check(not m.sequence_parallel or m.transformer_impl != "local", "model.sequence_parallel",
-            "needs Transformer Engine layers (model.transformer_impl transformer_engine or auto): megatron's "
-            "local spec falls back to torch LayerNorm without apex, which does not support sequence parallelism")
     e.check(m.fp8 is None or m.transformer_impl != "local", "model.fp8", "FP8 needs model.transformer_impl transformer_engine or auto")
     e.check(m.fp8 is None or m.dtype == "bf16", "model.fp8", f"FP8 training runs on bf16 parameters (model.dtype={m.dtype})")
     e.check(m.logprob_chunk_tokens >= 1, "model.logprob_chunk_tokens", f"must be >= 1, got {m.logprob_chunk_tokens}")
     e.check(m.recompute_num_layers >= 1, "model.recompute_num_layers", f"must be >= 1, got {m.recompute_num_layers}")
+    e.check(m.moe_aux_loss_coeff >= 0, "model.moe_aux_loss_coeff", f"must be >= 0, got {m.moe_aux_loss_coeff}")
 
     e.check(d.max_prompt_len >= 1, "data.max_prompt_len", f"must be >= 1, got {d.max_prompt_len}")
+    e.check(d.first_sources_decay in ("linear", "step"), "data.first_sources_decay",
+            f"must be linear or step, got {d.first_sources_decay!r}")
+    e.check(not d.first_sources or d.first_sources_steps >= 1, "data.first_sources_steps",
+            f"data.first_sources={d.first_sources} needs first_sources_steps >= 1, got {d.first_sources_steps}")
+    e.check(d.first_sources_steps >= 0, "data.first_sources_steps", f"must be >= 0, got {d.first_sources_steps}")
 
     e.check(r.n_samples_per_prompt >= 1, "rollout.n_samples_per_prompt", f"must be >= 1, got {r.n_samples_per_prompt}")
     e.check(r.prompts_per_step >= 1, "rollout.prompts_per_step", f"must be >= 1, got {r.prompts_per_step}")
@@ -122,6 +125,10 @@ def validate_config(cfg: MegaRLConfig, where: Callable[[str], str] | None = None
     e.check(not needs_critic or cfg.critic.enable, "critic.enable", f"algorithm.advantage={a.advantage} needs a critic: set critic.enable=true")
     e.check(a.value_pretrain_steps == 0 or cfg.critic.enable, "algorithm.value_pretrain_steps", "value pretraining needs critic.enable=true")
     e.check(a.value_pretrain_steps >= 0, "algorithm.value_pretrain_steps", f"must be >= 0, got {a.value_pretrain_steps}")
+    e.check(a.value_pretrain_ev_target is None or a.value_pretrain_steps > 0, "algorithm.value_pretrain_ev_target",
+            "needs algorithm.value_pretrain_steps > 0 (the cap on the pretraining steps)")
+    e.check(a.value_pretrain_ev_target is None or a.value_pretrain_ev_target <= 1.0, "algorithm.value_pretrain_ev_target",
+            f"an explained variance is at most 1, got {a.value_pretrain_ev_target}")
     e.check(a.value_clip is None or a.value_clip > 0, "algorithm.value_clip", f"must be > 0 or null, got {a.value_clip}")
     e.check(a.kl_coef >= 0, "algorithm.kl_coef", f"must be >= 0, got {a.kl_coef}")
     e.check(a.entropy_coef >= 0, "algorithm.entropy_coef", f"must be >= 0, got {a.entropy_coef}")
@@ -176,6 +183,12 @@ def validate_config(cfg: MegaRLConfig, where: Callable[[str], str] | None = None
     for name in ("epochs", "batch_size", "max_len"):
         e.check(getattr(s, name) >= 1, f"sft.{name}", f"must be >= 1, got {getattr(s, name)}")
     e.check(s.lr > 0, "sft.lr", f"must be > 0, got {s.lr}")
+    q = cfg.quickstart
+    if q.family != "qwen2":
+        e.check(q.num_experts >= 2, "quickstart.num_experts", f"an MoE family needs >= 2 experts, got {q.num_experts}")
+        e.check(1 <= q.moe_topk <= q.num_experts, "quickstart.moe_topk",
+                f"must be in 1..quickstart.num_experts ({q.num_experts}), got {q.moe_topk}")
+        e.check(q.moe_intermediate >= 1, "quickstart.moe_intermediate", f"must be >= 1, got {q.moe_intermediate}")
     e.raise_if_any()
 
 
@@ -264,4 +277,8 @@ def validate_model(cfg: MegaRLConfig, hf_config: Any) -> None:
     # megatron's MoE layer refuses to train at TP > 1 without sequence parallelism
     e.check(not experts or p.tp == 1 or cfg.model.sequence_parallel, "model.sequence_parallel",
             f"an MoE model (num_experts={experts}) at parallel.tp={p.tp} trains only with sequence parallelism")
+    e.check(bool(experts) or not cfg.algorithm.routing_replay, "algorithm.routing_replay",
+            "replays the experts of an MoE model, but the HF config has no num_experts (a dense model): set it to false")
+    e.check(bool(experts) or not cfg.model.freeze_router, "model.freeze_router",
+            "freezes the router of an MoE model, but the HF config has no num_experts (a dense model): set it to false")
     e.raise_if_any()

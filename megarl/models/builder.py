@@ -96,11 +96,14 @@ def transformer_config(spec: ArchSpec, *, dtype: torch.dtype = torch.float32,
         apply_rope_fusion=False,
         persist_layer_norm=False,
     )
+    overrides = dict(overrides or {})
     if spec.num_experts:
         kwargs.update(moe_config_fields(spec), expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
                       expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size())
         _define_missing_te_gemm()
-    kwargs.update(overrides or {})
+    else:  # MoE options of a run config (aux loss, routing replay) mean nothing to a dense model
+        overrides = {k: v for k, v in overrides.items() if not k.startswith("moe_")}
+    kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
 
@@ -153,11 +156,31 @@ def layer_spec(spec: ArchSpec, impl: str = "local"):
         raise ValueError(f"impl must be 'local', 'te' or 'transformer_engine', got {impl!r}")
     from megarl.models.attention import LocalAttention
 
+    from megarl.models.norm import RMSNorm
+
     lspec = gpt_layer_specs.get_gpt_layer_local_spec(
         num_experts=spec.num_experts or None, moe_grouped_gemm=False, normalization="RMSNorm",
         qk_layernorm=spec.qk_layernorm)
-    lspec.submodules.self_attention.submodules.core_attention = LocalAttention
+    sub = lspec.submodules
+    sub.self_attention.submodules.core_attention = LocalAttention
+    sub.input_layernorm = sub.pre_mlp_layernorm = RMSNorm  # sequence-parallel capable (megarl.models.norm)
+    if spec.qk_layernorm:
+        sub.self_attention.submodules.q_layernorm = sub.self_attention.submodules.k_layernorm = RMSNorm
     return lspec
+
+
+def block_spec(lspec, config, impl: str, vp_stage: int | None):
+    """The transformer block of one chunk: `lspec` for each of its layers; with the local spec, the
+    final norm is megarl's sequence-parallel capable RMSNorm (megatron's default for a layer spec is
+    torch's, which refuses sequence parallelism)."""
+    if impl in ("te", "transformer_engine"):
+        return lspec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    from megarl.models.norm import RMSNorm
+
+    return TransformerBlockSubmodules(layer_specs=[lspec] * get_num_layers_to_build(config, vp_stage=vp_stage),
+                                      layer_norm=RMSNorm)
 
 
 def _mask_padded_vocab_hook(vocab_size: int, padded: int):
@@ -211,7 +234,7 @@ def build_model(hf_config: Any, *, dtype: torch.dtype | str = torch.float32, imp
     for vp_stage in range(vp_size or 1):
         vp = vp_stage if vp_size else None
         kwargs = dict(
-            config=config, transformer_layer_spec=lspec, vocab_size=vocab,
+            config=config, transformer_layer_spec=block_spec(lspec, config, impl, vp), vocab_size=vocab,
             max_sequence_length=spec.max_position_embeddings,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),

@@ -28,6 +28,11 @@ megatron-core 0.16.1 assumes CUDA in a handful of places (see shared/reference/m
 7. `dist.all_to_all_single` gets its split sizes as lists: megatron's MoE alltoall dispatcher
    copies them device -> host as numpy only for CUDA tensors and passes CPU tensors through,
    which the c10d binding rejects (gloo itself supports the variable-size all-to-all).
+8. `dist.all_gather` / `reduce_scatter` into differently sized tensors (NCCL does them, gloo
+   does not; megatron's MoE dispatcher gathers variable token counts over expert-TP) are padded
+   to the largest size, run, and trimmed.
+9. `torch.autograd`'s engine run gets the device mode of (2): `backward` is itself a torch
+   function, so without it the backward code (the MoE all-to-all's backward) runs unpatched.
 
 The runtime never activates when `torch.cuda.is_available()`; `activate()` raises instead.
 `activate(strict=True)` (or MEGARL_STRICT_DEVICE=1) adds strict device mode
@@ -87,6 +92,10 @@ class _CudaToCpuMode(TorchFunctionMode):
             kwargs = dict(kwargs, device=_CPU)
         if func is torch.Tensor.cuda:
             return args[0]
+        if getattr(func, "__name__", "") == "all_gather" and _uneven(args, kwargs):
+            return _all_gather_uneven(func, *args, **kwargs)
+        if getattr(func, "__name__", "") == "reduce_scatter" and _uneven(args[1:], {"tensor_list": kwargs.get("input_list")}):
+            return _reduce_scatter_uneven(*args, **kwargs)
         if func is torch.distributed.all_to_all_single:
             kwargs = {k: v.tolist() if k.endswith("split_sizes") and torch.is_tensor(v) else v
                       for k, v in kwargs.items()}
@@ -96,6 +105,36 @@ class _CudaToCpuMode(TorchFunctionMode):
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], _CPU, *args[2:])
         return func(*args, **kwargs)
+
+
+def _uneven(args, kwargs) -> bool:
+    out = args[0] if args else kwargs.get("tensor_list")
+    return isinstance(out, (list, tuple)) and len({tuple(t.shape) for t in out}) > 1
+
+
+def _all_gather_uneven(all_gather, tensor_list, tensor, group=None, async_op=False):
+    """all_gather into differently sized tensors (NCCL supports it, gloo does not; megatron's MoE
+    dispatcher gathers variable token counts over expert-TP): pads to the largest, gathers, trims."""
+    n = max(t.shape[0] for t in tensor_list)
+    padded = tensor.new_zeros((n, *tensor.shape[1:]))
+    padded[: tensor.shape[0]] = tensor
+    bufs = [tensor.new_empty((n, *tensor.shape[1:])) for _ in tensor_list]
+    all_gather(bufs, padded, group=group)
+    for t, b in zip(tensor_list, bufs):
+        t.copy_(b[: t.shape[0]])
+    return None
+
+
+def _reduce_scatter_uneven(output, input_list, op=None, group=None, async_op=False):
+    """reduce_scatter (sum) of differently sized chunks (the backward of `_all_gather_uneven`):
+    chunks padded to the largest and stacked, all-reduced, this rank's chunk trimmed."""
+    n = max(t.shape[0] for t in input_list)
+    stacked = output.new_zeros((len(input_list), n, *output.shape[1:]))
+    for i, t in enumerate(input_list):
+        stacked[i, : t.shape[0]] = t
+    torch.distributed.all_reduce(stacked, group=group)
+    output.copy_(stacked[torch.distributed.get_rank(group), : output.shape[0]])
+    return None
 
 
 class _NoopStream:
@@ -167,6 +206,23 @@ def _patch_torch_cuda() -> None:
     cuda.max_memory_allocated = lambda *a, **k: 0
 
 
+def _patch_autograd_engine() -> None:
+    """`torch.autograd.backward` is a torch function: it runs inside the mode's handler, where the
+    mode is off, so backward code (megatron's MoE all-to-all backward: CUDA device arguments,
+    tensor split sizes) would run without it. The engine run gets a mode of its own."""
+    import torch.autograd as autograd
+
+    run = autograd._engine_run_backward
+
+    def engine_run_backward(*args, **kwargs):
+        if torch._C._is_torch_function_mode_enabled():
+            return run(*args, **kwargs)
+        with _CudaToCpuMode():
+            return run(*args, **kwargs)
+
+    autograd._engine_run_backward = engine_run_backward
+
+
 def _patch_megatron() -> None:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.tensor_parallel import random as mp_random
@@ -228,6 +284,7 @@ def _activate() -> None:
         raise RuntimeError("megarl CPU runtime must not be activated when CUDA is available")
     _patch_torch_cuda()
     _patch_megatron()
+    _patch_autograd_engine()
     mode = _CudaToCpuMode()
     mode.__enter__()  # stays on the mode stack for the life of the process
     _ACTIVE = True

@@ -46,6 +46,7 @@ from megarl.rollout.checkpoint import (
 from megarl.rollout.sampling import sample_tokens, segment_budget, token_samplers
 from megarl.rollout.torch_model import (
     DecoderLM, KVCache, ModelArgs, check_kv_cache_budget, model_args_from_hf_config)
+from megarl.rollout.torch_moe import RoutingTape, sample_routing
 from megarl.rollout.types import Sample, SamplingParams
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -73,6 +74,8 @@ class _Row:
     new_ids: list[int] = field(default_factory=list)
     new_logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
+    context_routing: torch.Tensor | None = None  # MoE: [context tokens, layers, k] experts of the prefill
+    routing: list[torch.Tensor] = field(default_factory=list)  # MoE: [layers, k] per forwarded new token
 
 
 class BuiltinEngine:
@@ -100,6 +103,8 @@ class BuiltinEngine:
         self.weight_version = 0
         self._released = False
         self._discarded = False
+        # MoE: Sample.routed_experts = the experts of every prompt / response token (routing replay)
+        self.record_routing = bool(self.args.num_experts)
 
     @classmethod
     def from_pretrained(cls, hf_dir: str | Path, *, dtype: torch.dtype | str = torch.float32,
@@ -296,9 +301,12 @@ class BuiltinEngine:
     def _make_sample(self, prompt: list[int], row: _Row, index: int, meta: dict) -> Sample:
         meta.setdefault("weight_versions", [])
         meta["weight_versions"] = list(meta["weight_versions"]) + [self.weight_version]
+        routed = None
+        if row.context_routing is not None:  # prompt + whole response (earlier segments: in the context)
+            routed = sample_routing(row.context_routing, row.routing, len(prompt) + len(row.response))
         return Sample(prompt_ids=list(prompt), response_ids=row.new_ids,
                       logprobs=row.new_logprobs, finish_reason=row.finish_reason,
-                      text=self._decode(row.new_ids), index=index, meta=meta)
+                      text=self._decode(row.new_ids), index=index, meta=meta, routed_experts=routed)
 
     def _stop_hit(self, row: _Row, token: int, stop_ids: set[int], stops: list[str],
                   tail: int) -> bool:
@@ -310,13 +318,16 @@ class BuiltinEngine:
         before = self.tokenizer.decode(row.response[-tail:-1], skip_special_tokens=False)
         return any(s in text and s not in before for s in stops)
 
-    def _prefill(self, contexts: list[list[int]], width: int, cache: KVCache) -> torch.Tensor:
+    def _prefill(self, contexts: list[list[int]], width: int, cache: KVCache,
+                 tape: RoutingTape | None = None) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         """Writes every context right-aligned into cache slots [width - len, width) and returns the
         logits [B, V] of its last position. Rows are prefilled in groups of similar length (powers
         of two), each left-padded only to its own longest context: a T-PPO window mixes short
         prompts with long carried responses, and one padded batch would compute mostly padding.
-        Slots left of a group's width are zeroed (they are masked, and 0 * NaN garbage is NaN)."""
+        Slots left of a group's width are zeroed (they are masked, and 0 * NaN garbage is NaN).
+        With a routing tape, also each context's experts [len, layers, k] (else Nones)."""
         dev, lens = self.device, [len(c) for c in contexts]
+        routing: list[torch.Tensor | None] = [None] * len(contexts)
         groups: dict[int, list[int]] = {}
         for i, n in enumerate(lens):
             groups.setdefault((n - 1).bit_length(), []).append(i)
@@ -334,6 +345,11 @@ class BuiltinEngine:
             mask = (causal[None] & valid[:, None, :]) | diag[None]
             part = KVCache.allocate(self.args, len(members), L, self.dtype, dev)
             out = self.model(tokens.to(dev), positions, part, 0, mask[:, None])
+            if tape is not None:
+                rec = tape.take()
+                rec = rec.view(len(members), L, *rec.shape[1:])
+                for r, i in enumerate(members):
+                    routing[i] = rec[r, L - lens[i]:]
             idx = torch.tensor(members, device=dev)
             for full, new in zip((*cache.keys, *cache.values), (*part.keys, *part.values)):
                 full[idx, :, width - L:width] = new
@@ -341,7 +357,7 @@ class BuiltinEngine:
             if logits is None:
                 logits = out.new_empty(len(contexts), out.shape[-1])
             logits[idx] = out
-        return logits
+        return logits, routing
 
     @torch.inference_mode()
     def _run(self, contexts: list[list[int]], repeat: int, rows: list[_Row],
@@ -365,7 +381,21 @@ class BuiltinEngine:
         self.kv_cache_bytes = check_kv_cache_budget(self.args, len(rows), prompt_len + max_steps, self.dtype,
                                                     self.kv_cache_gb)
         cache = KVCache.allocate(self.args, len(contexts), prompt_len + max_steps, self.dtype, dev)
-        logits = self._prefill(contexts, prompt_len, cache)
+        tape = RoutingTape(self.model) if self.record_routing else None
+        try:
+            self._generate_rows(contexts, repeat, rows, sampling, first_sampler, sampler, generator, stop_ids, tail,
+                                lens, prompt_len, max_steps, key_valid, cache, tape)
+        finally:
+            if tape is not None:
+                tape.close()
+
+    def _generate_rows(self, contexts, repeat, rows, sampling, first_sampler, sampler, generator, stop_ids, tail,
+                       lens, prompt_len, max_steps, key_valid, cache, tape) -> None:
+        dev = self.device
+        logits, context_routing = self._prefill(contexts, prompt_len, cache, tape)
+        if tape is not None:
+            for r, row in enumerate(rows):
+                row.context_routing = context_routing[r // repeat]
         next_pos = lens.to(dev)
         if repeat > 1:
             cache.repeat_rows(repeat)
@@ -377,6 +407,7 @@ class BuiltinEngine:
         for step in range(max_steps):
             token_t, logprob_t = sample_tokens(logits, first_sampler if step == 0 else sampler,
                                                generator)
+            appended = list(alive)  # slots whose row gets this step's token (forwarded below)
             for b, (tok, lp) in enumerate(zip(token_t.tolist(), logprob_t.tolist())):
                 if not alive[b]:
                     continue
@@ -400,10 +431,16 @@ class BuiltinEngine:
                                                 for t in (key_valid, next_pos, token_t))
                 active = [active[b] for b in keep]
                 alive = [True] * len(keep)
+                appended = [True] * len(keep)
             slot = prompt_len + step
             logits = self.model(token_t[:, None], next_pos[:, None], cache, slot,
                                 key_valid[:, None, None, :slot + 1])
             next_pos = next_pos + 1
+            if tape is not None:
+                rec = tape.take()
+                for b, got in enumerate(appended):
+                    if got:
+                        rows[active[b]].routing.append(rec[b])
 
 
 def _tokenizer_eos(tokenizer: Any) -> list[int]:

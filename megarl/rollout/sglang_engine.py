@@ -45,10 +45,19 @@ matched by SGLang on each call's own output text; log-probs are SGLang's (temper
 before top-k / top-p renormalisation: srt/layers/sampler.py); `seed` reaches SGLang only through
 the per-request seeds above. A checkpoint directory without tokenizer files starts SGLang with
 skip_tokenizer_init=True (then SGLang refuses stop strings).
+
+- routing replay (`return_routed_experts=True`, MoE models): the engine starts with
+  `enable_return_routed_experts=True` and every generate call asks for `return_routed_experts`;
+  SGLang answers `meta_info["routed_experts"]`, the experts of the request's first
+  len(input) + len(output) - 1 tokens as base64 of int32 [tokens, layers, top_k] (older versions:
+  a nested list; both are read). Each sample gets `routed_experts` [prompt + response, layers, top_k]
+  from the call that produced its last tokens (FIRE's second call covers the first); the token
+  SGLang never forwarded (the last) gets experts 0..k-1 (`torch_moe.sample_routing`).
 """
 
 from __future__ import annotations
 
+import base64
 import collections
 import logging
 import os
@@ -64,6 +73,7 @@ from megarl.rollout.sglang_utils import (
     GenerateCall, ReleasedMemory, engine_launch_env, gather_to_owner, memory_tags,
     needs_weight_update_session, rebucket, request_seeds, run_on_owner, run_segment,
     with_last_flag)
+from megarl.rollout.torch_moe import sample_routing
 from megarl.rollout.types import Sample, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -90,7 +100,8 @@ class SGLangEngine:
                  mem_fraction_static: float | None = None, base_gpu_id: int | None = None,
                  random_seed: int | None = None, load_format: str = "auto",
                  enable_weights_cpu_backup: bool = False, bucket_bytes: int = 512 << 20,
-                 start: bool = False, sglang_module: Any = None, **server_kwargs: Any):
+                 start: bool = False, sglang_module: Any = None, return_routed_experts: bool = False,
+                 **server_kwargs: Any):
         self._sglang = sglang_module if sglang_module is not None else _import_sglang()
         self.sglang_version = self._sglang.__version__
         self.model_path = str(model_path)
@@ -107,6 +118,11 @@ class SGLangEngine:
         self.max_context = int(server_kwargs.get("context_length")
                                or config.get("max_position_embeddings") or 0) or None
         self.vocab_size = int(config["vocab_size"])
+        self.return_routed_experts = return_routed_experts
+        if return_routed_experts:
+            server_kwargs["enable_return_routed_experts"] = True
+            self.routing_shape = (int(config["num_hidden_layers"]), int(config["num_experts_per_tok"]))
+        self._routing: dict[tuple[int, ...], torch.Tensor] = {}  # full sequence -> experts, of this call
         self.load_format = load_format
         self.weights_valid = False
         self.weight_version = 0
@@ -170,10 +186,11 @@ class SGLangEngine:
         seeds = request_seeds(sampling.seed, [(i, j) for i in range(len(prompts))
                                               for j in range(sampling.n)])
         budgets = [segment_budget(len(p), 0, sampling, self._context()) for _, p in rows]
+        self._routing.clear()
         segments = self._segments([p for _, p in rows], budgets, sampling, True, seeds)
         return [Sample(prompt_ids=list(p), response_ids=ids, logprobs=lps, finish_reason=reason,
                        text=self._decode(ids), index=i,
-                       meta={"weight_versions": [self.weight_version]})
+                       meta={"weight_versions": [self.weight_version]}, routed_experts=self._routed(p + ids))
                 for (i, p), (ids, lps, reason) in zip(rows, segments)]
 
     def _continue(self, samples: Sequence[Sample], sampling: SamplingParams) -> list[Sample]:
@@ -194,6 +211,7 @@ class SGLangEngine:
                 todo.append(k)
                 keys.append((s.index, k))
         seeds = request_seeds(sampling.seed, keys, stream="continue")
+        self._routing.clear()
         segments = dict(zip(todo, self._segments(contexts, budgets, sampling, False, seeds)))
         out = []
         for k, s in enumerate(samples):
@@ -203,7 +221,8 @@ class SGLangEngine:
             meta["weight_versions"] = list(meta.get("weight_versions", [])) + [self.weight_version]
             out.append(Sample(prompt_ids=list(s.prompt_ids), response_ids=response,
                               logprobs=list(s.logprobs) + lps, finish_reason=reason,
-                              text=self._decode(response), index=s.index, meta=meta))
+                              text=self._decode(response), index=s.index, meta=meta,
+                              routed_experts=self._routed(list(s.prompt_ids) + response) if ids else None))
         return out
 
     def _segments(self, contexts, budgets, sampling, fire, seeds):
@@ -213,9 +232,25 @@ class SGLangEngine:
                            [w for _, w in budgets], sampling, fire, seeds)
 
     def _call(self, call: GenerateCall) -> list[dict]:
+        extra = {"return_routed_experts": True} if self.return_routed_experts else {}
         outputs = self._engine.generate(input_ids=call.input_ids,
-                                        sampling_params=call.sampling_params, return_logprob=True)
-        return outputs if isinstance(outputs, list) else [outputs]
+                                        sampling_params=call.sampling_params, return_logprob=True, **extra)
+        outputs = outputs if isinstance(outputs, list) else [outputs]
+        if self.return_routed_experts:
+            for ids, out in zip(call.input_ids, outputs):
+                full = list(ids) + [int(e[1]) for e in out["meta_info"]["output_token_logprobs"]]
+                self._routing[tuple(full)] = decode_routed_experts(
+                    out["meta_info"].get("routed_experts"), len(full) - 1, self.routing_shape)
+        return outputs
+
+    def _routed(self, sequence: list[int]) -> torch.Tensor | None:
+        """[len(sequence), layers, k] experts of a generated sequence (None without routing replay)."""
+        if not self.return_routed_experts:
+            return None
+        rec = self._routing.get(tuple(sequence))
+        if rec is None:
+            raise RuntimeError(f"SGLang returned no routed_experts for a sequence of {len(sequence)} tokens")
+        return sample_routing(rec, [], len(sequence))
 
     def _check(self, sampling: SamplingParams) -> None:
         sampling.validate()
@@ -340,3 +375,22 @@ class SGLangEngine:
             return
         if not success:
             raise RuntimeError(f"SGLang {what} failed: {message}")
+
+
+def decode_routed_experts(value: Any, tokens: int, shape: tuple[int, int]) -> torch.Tensor:
+    """SGLang's `meta_info["routed_experts"]` -> [tokens, layers, top_k] int16: base64 of int32
+    (current SGLang) or a nested list (older versions)."""
+    import numpy as np
+
+    if value is None:
+        raise RuntimeError("SGLang output has no meta_info.routed_experts: start the engine with "
+                           "enable_return_routed_experts=True (algorithm.routing_replay)")
+    if isinstance(value, str):
+        flat = torch.from_numpy(np.frombuffer(base64.b64decode(value), dtype=np.int32).copy())
+    else:
+        flat = torch.as_tensor(value, dtype=torch.int32)
+    layers, k = shape
+    if flat.numel() != tokens * layers * k:
+        raise ValueError(f"SGLang routed_experts has {flat.numel()} entries, expected {tokens} tokens x "
+                         f"{layers} layers x top-{k}")
+    return flat.reshape(tokens, layers, k).to(torch.int16)

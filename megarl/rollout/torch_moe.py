@@ -59,3 +59,38 @@ class SparseMoE(nn.Module):
         if hasattr(self, "shared_expert"):
             out = out + torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)
         return out.view(shape)
+
+
+class RoutingTape:
+    """Collects the experts every MoE block of `model` selects, one forward at a time:
+    `take()` -> [tokens, layers, k] int16 of the last forward (tokens row-major over [batch, time])."""
+
+    def __init__(self, model: nn.Module):
+        self.blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
+        for b in self.blocks:
+            b.routing_log = []
+
+    def take(self) -> torch.Tensor:
+        per_layer = []
+        for b in self.blocks:
+            if len(b.routing_log) != 1:
+                raise RuntimeError(f"routing tape: expected one forward per take, got {len(b.routing_log)}")
+            per_layer.append(b.routing_log.pop())
+        return torch.stack(per_layer, dim=1).to(torch.int16).cpu()
+
+    def close(self) -> None:
+        for b in self.blocks:
+            b.routing_log = None
+
+
+def sample_routing(context: torch.Tensor, generated: list[torch.Tensor], total: int) -> torch.Tensor:
+    """[total, layers, k] routing of a sample: the context's (prefill), then the generated tokens'
+    (decode). The engine never forwards a sample's last token (nothing is sampled after it); its
+    rows, and any other token not forwarded, get experts 0..k-1: valid and distinct, and read by
+    nothing the loss uses (a token's routing affects only its own and later positions)."""
+    layers, k = context.shape[1], context.shape[2]
+    out = torch.arange(k, dtype=torch.int16).expand(total, layers, k).clone()
+    rec = torch.cat([context] + [g[None] for g in generated]) if generated else context
+    n = min(total, rec.shape[0])
+    out[:n] = rec[:n]
+    return out

@@ -74,6 +74,9 @@ class Sample:
     text: str = ""
     index: int = 0  # which prompt of the request list this sample belongs to
     meta: dict = field(default_factory=dict)
+    # MoE engines: [prompt + response tokens, layers, top_k] int16 experts each token was routed to
+    # (routing replay); None when not recorded
+    routed_experts: torch.Tensor | None = None
 
 
 @runtime_checkable

@@ -1,4 +1,4 @@
-"""A byte-level tokenizer and a tiny random Qwen2 model, built offline (quickstart, tests).
+"""A byte-level tokenizer and a tiny random Qwen2 / Qwen3-MoE / Qwen2-MoE model, built offline.
 
 Tokenizer: BPE with no merges over the 256 GPT-2 byte symbols, so every byte (every ASCII
 character) is one token and any UTF-8 text round-trips exactly (`decode(encode(s)) == s`).
@@ -6,12 +6,17 @@ Reloaded from a saved directory with `AutoTokenizer` (as megarl and SGLang load 
 5.x builds a `Qwen2Tokenizer` (forced for model_type "qwen2"), which NFC-normalises the text
 first: the ids are the same on NFC text (all ASCII, so every quickstart text), but a non-NFC
 string (e + U+0301 combining acute) comes back composed (é).
+For the MoE model types it builds the generic `TokenizersBackend` (the same ids, no NFC step).
 Ids 0..255 are the bytes, followed by the special tokens ``<|endoftext|>`` (EOS and pad),
 ``<|im_start|>`` and ``<|im_end|>``. A Qwen-style chat template is attached.
 
-Model: `transformers.Qwen2Config` from scratch; `vocab_size` is the tokenizer size rounded up
-to `vocab_multiple` (like real Qwen checkpoints, whose embedding has spare rows), which keeps
-vocab-parallel splits even.
+Model: `transformers.Qwen2Config` (family "qwen2"), `Qwen3MoeConfig` ("qwen3_moe": q/k norms,
+top-k probabilities renormalised) or `Qwen2MoeConfig` ("qwen2_moe": q/k/v bias, a shared expert
+of `moe_intermediate` with its sigmoid gate, no renormalisation) from scratch. The MoE families
+replace every dense MLP by `num_experts` experts of `moe_intermediate`, `moe_topk` per token, so
+with moe_intermediate = intermediate / moe_topk a token costs the dense model's MLP FLOPs.
+`vocab_size` is the tokenizer size rounded up to `vocab_multiple` (like real Qwen checkpoints,
+whose embedding has spare rows), which keeps vocab-parallel splits even.
 """
 
 from __future__ import annotations
@@ -75,17 +80,26 @@ class TinyModelSpec:
     vocab_multiple: int = 64
     initializer_range: float = 0.02
     seed: int = 0
+    family: str = "qwen2"  # one of TINY_FAMILIES
+    num_experts: int = 0  # MoE families only (>= 2), as moe_topk and moe_intermediate
+    moe_topk: int = 0
+    moe_intermediate: int = 0
 
 
-def build_tiny_qwen2(tokenizer: Any, spec: TinyModelSpec) -> Any:
-    """A randomly initialised `Qwen2ForCausalLM` (fp32) sized for `tokenizer`."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
+TINY_FAMILIES = ("qwen2", "qwen3_moe", "qwen2_moe")
+
+
+def tiny_config(tokenizer: Any, spec: TinyModelSpec) -> Any:
+    """The HF config of the tiny model of `spec.family` sized for `tokenizer`."""
+    import transformers
 
     if spec.hidden % spec.heads or spec.heads % spec.kv_heads:
         raise ValueError(f"tiny model: hidden {spec.hidden} must divide by heads {spec.heads}, "
                          f"and heads by kv_heads {spec.kv_heads}")
+    if spec.family not in TINY_FAMILIES:
+        raise ValueError(f"tiny model: family {spec.family!r} is not one of {TINY_FAMILIES}")
     vocab = math.ceil(len(tokenizer) / spec.vocab_multiple) * spec.vocab_multiple
-    config = Qwen2Config(
+    common = dict(
         vocab_size=vocab, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
         num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
         num_key_value_heads=spec.kv_heads, max_position_embeddings=spec.max_position_embeddings,
@@ -94,8 +108,31 @@ def build_tiny_qwen2(tokenizer: Any, spec: TinyModelSpec) -> Any:
         bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, dtype="float32",
     )
+    if spec.family == "qwen2":
+        return transformers.Qwen2Config(**common)
+    if not (2 <= spec.num_experts and 0 < spec.moe_topk <= spec.num_experts and spec.moe_intermediate > 0):
+        raise ValueError(f"tiny {spec.family}: needs num_experts >= 2 (got {spec.num_experts}), 0 < moe_topk <= "
+                         f"num_experts (got {spec.moe_topk}) and moe_intermediate > 0 (got {spec.moe_intermediate})")
+    moe = dict(num_experts=spec.num_experts, num_experts_per_tok=spec.moe_topk,
+               moe_intermediate_size=spec.moe_intermediate, decoder_sparse_step=1, mlp_only_layers=[],
+               output_router_logits=False, router_aux_loss_coef=0.0)
+    if spec.family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**common, **moe, head_dim=spec.hidden // spec.heads,
+                                           norm_topk_prob=True)
+    return transformers.Qwen2MoeConfig(**common, **moe, norm_topk_prob=False,
+                                       shared_expert_intermediate_size=spec.moe_intermediate)
+
+
+def build_tiny_model(tokenizer: Any, spec: TinyModelSpec) -> Any:
+    """A randomly initialised causal LM of `spec.family` (fp32) sized for `tokenizer`."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(tokenizer, spec)
     torch.manual_seed(spec.seed)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+build_tiny_qwen2 = build_tiny_model  # the name older tools use (family "qwen2" by default)
 
 
 def save_tiny_model(out_dir: str | Path, spec: TinyModelSpec, model: Any = None, tokenizer: Any = None) -> Path:
@@ -105,7 +142,7 @@ def save_tiny_model(out_dir: str | Path, spec: TinyModelSpec, model: Any = None,
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = tokenizer if tokenizer is not None else build_byte_tokenizer()
-    model = model if model is not None else build_tiny_qwen2(tokenizer, spec)
+    model = model if model is not None else build_tiny_model(tokenizer, spec)
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.eos_token_id, do_sample=False)

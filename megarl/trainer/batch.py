@@ -43,6 +43,9 @@ class Trajectory:
     baseline_score: float | None = None  # ReMax: score of the greedy response to the same prompt
     window_start: int = 0  # T-PPO: response index of the first token of the latest window
     start_version: int | None = None  # T-PPO: policy version of the first window (None: policy_version)
+    # MoE routing replay: experts the engine's routers selected, [prompt + response tokens, layers,
+    # top_k] int16 (megarl.rollout.torch_moe.sample_routing); None when not recorded
+    routed_experts: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -78,9 +81,9 @@ class StepBatch:
     values: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
-    # room for what other methods attach per token: MoE routing replay [B, T, layers, top_k],
-    # PAG turn ids [B, T]; per-sample image inputs (VLM)
-    routed_experts: torch.Tensor | None = None
+    # MoE routing replay: per sample the engine's experts [prompt + response tokens, layers, top_k]
+    routed_experts: list[torch.Tensor] | None = None
+    # room for what other methods attach per token: PAG turn ids [B, T]; per-sample image inputs (VLM)
     turn_ids: torch.Tensor | None = None
     images: list | None = None
     baseline_score: torch.Tensor | None = None  # [B] float32 ReMax baseline (greedy response's score)
@@ -109,6 +112,8 @@ class StepBatch:
                             if trajs and all(t.baseline_score is not None for t in trajs) else None),
             window_start=torch.tensor([int(t.window_start) for t in trajs], dtype=torch.int64),
             start_version=torch.tensor([int(t.first_version) for t in trajs], dtype=torch.int64),
+            routed_experts=([t.routed_experts for t in trajs]
+                            if trajs and all(t.routed_experts is not None for t in trajs) else None),
         )
 
     def __len__(self) -> int:
@@ -172,6 +177,10 @@ class MicroBatch:
     cu_seqlens: torch.Tensor  # [n+1] int32 padded sequence boundaries of the full row
     cp_size: int = 1
     chunk_tokens: int = 4096  # log-probs / entropy are computed over this many tokens at a time
+    # MoE routing replay: [S, layers, top_k] the engine's experts at every position of input_ids,
+    # and [S] bool the positions the engine forwarded (not padding, not a sequence's last token)
+    routed_experts: torch.Tensor | None = None
+    routing_valid: torch.Tensor | None = None
 
     def cp_shard(self, cp_rank: int, cp_size: int) -> "MicroBatch":
         """This CP rank's tokens: chunks r and 2*cp-1-r of every sequence (megarl.models.attention);
@@ -182,8 +191,11 @@ class MicroBatch:
         local = torch.full((self.input_ids.shape[1],), -1, dtype=torch.long)
         local[mine] = torch.arange(mine.numel())
         owner = torch.where(self.owner >= 0, local[self.resp_index], self.owner)
+        routing = {}
+        if self.routed_experts is not None:
+            routing = dict(routed_experts=self.routed_experts[mine], routing_valid=self.routing_valid[mine])
         return dataclasses.replace(self, input_ids=self.input_ids[:, mine], position_ids=self.position_ids[:, mine],
-                                   owner=owner, cp_size=cp_size)
+                                   owner=owner, cp_size=cp_size, **routing)
 
     def log_probs(self, logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         """[n, T_mb] log-probs of the response tokens from this rank's (vocab-parallel) logits."""
@@ -228,6 +240,8 @@ class MicroBatch:
             self, data=self.data.to(device), input_ids=self.input_ids.to(device),
             position_ids=self.position_ids.to(device), targets=self.targets.to(device),
             resp_index=self.resp_index.to(device), owner=self.owner.to(device), cu_seqlens=self.cu_seqlens.to(device),
+            routed_experts=None if self.routed_experts is None else self.routed_experts.to(device),
+            routing_valid=None if self.routing_valid is None else self.routing_valid.to(device),
         )
 
 
@@ -259,11 +273,32 @@ def build_microbatch(batch: StepBatch, rows: list[int], pad_multiple: int = 1, c
         off += padded[k]
     cu = torch.zeros(len(rows) + 1, dtype=torch.int32)
     cu[1:] = torch.tensor(padded).cumsum(0)
+    routing = packed_routing(batch, rows, padded) if batch.routed_experts is not None else {}
     return MicroBatch(
         rows=list(rows), data=batch.select(list(rows), width=T), input_ids=ids, position_ids=pos,
         targets=torch.roll(ids, shifts=-1, dims=1),  # crosses sequence ends only at unused positions
-        resp_index=resp_index, owner=owner, cu_seqlens=cu, chunk_tokens=chunk_tokens,
+        resp_index=resp_index, owner=owner, cu_seqlens=cu, chunk_tokens=chunk_tokens, **routing,
     )
+
+
+def packed_routing(batch: StepBatch, rows: list[int], padded: list[int]) -> dict[str, torch.Tensor]:
+    """The engine's experts laid out like the packed row: sequence k's tokens at its offset,
+    padding given experts 0..top_k-1 (its routing only feeds the padding's own outputs, which
+    nothing reads); valid = the tokens the engine forwarded (every token but a sequence's last)."""
+    first = batch.routed_experts[rows[0]]
+    layers, k = first.shape[1], first.shape[2]
+    routed = torch.arange(k, dtype=torch.int16).expand(sum(padded), layers, k).clone()
+    valid = torch.zeros(sum(padded), dtype=torch.bool)
+    off = 0
+    for i, width in zip(rows, padded):
+        n = len(batch.prompt_ids[i]) + len(batch.response_ids[i])
+        r = batch.routed_experts[i]
+        if r.shape[0] != n:
+            raise ValueError(f"sample {i}: routed_experts covers {r.shape[0]} tokens, the sequence has {n}")
+        routed[off : off + n] = r.to(torch.int16)
+        valid[off : off + n - 1] = True
+        off += width
+    return {"routed_experts": routed, "routing_valid": valid}
 
 
 def split_microbatches(batch: StepBatch, rows: list[int], max_tokens: int, pad_multiple: int = 1,

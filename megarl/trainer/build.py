@@ -57,6 +57,9 @@ def model_options(model_cfg, parallel_cfg) -> dict:
         opts.update(fp8=model_cfg.fp8, fp8_recipe=model_cfg.fp8_recipe)
     if parallel_cfg.cp > 1:
         opts["cp_comm_type"] = model_cfg.cp_comm_type  # read by TE's attention; megarl's local one all-gathers
+    if model_cfg.moe_aux_loss_coeff > 0:  # MoE only (megarl.models.builder drops moe_* for dense models)
+        opts.update(moe_aux_loss_coeff=model_cfg.moe_aux_loss_coeff,
+                    moe_router_load_balancing_type=model_cfg.moe_load_balancing_type)
     if model_cfg.recompute is not None:
         opts["recompute_granularity"] = model_cfg.recompute
         if model_cfg.recompute == "full":
@@ -76,7 +79,8 @@ def _train_model(cfg, hf_config, optim, load: str | None, value_head: bool = Fal
                        padded_vocab=_padded_vocab(load, ps.get_tensor_model_parallel_world_size()),
                        seed=cfg.trainer.seed, batching=cfg.critic if value_head else cfg.actor,
                        model_options=model_options(cfg.model, cfg.parallel),
-                       logprob_chunk_tokens=cfg.model.logprob_chunk_tokens)
+                       logprob_chunk_tokens=cfg.model.logprob_chunk_tokens,
+                       **({} if value_head or optim is None else actor_routing_options(cfg)))
     model.hf_source_dir = cfg.model.hf_path
     if load:
         model.load(load, load_optimizer=False)
@@ -87,7 +91,16 @@ def _train_model(cfg, hf_config, optim, load: str | None, value_head: bool = Fal
     return model
 
 
+def actor_routing_options(cfg) -> dict:
+    """MoE options of the trained actor (the reference model and the critic route natively)."""
+    return dict(freeze_router=cfg.model.freeze_router, routing_replay=cfg.algorithm.routing_replay,
+                track_routing=True)
+
+
 def build_actor(cfg, hf_config, optim=True) -> TrainModel:
+    from megarl.config import validate_model
+
+    validate_model(cfg, hf_config)  # layout and MoE rules that need the model (ConfigError naming the field)
     return _train_model(cfg, hf_config, cfg.actor if optim else None, cfg.model.load)
 
 
@@ -120,7 +133,7 @@ def build_engine(cfg, hf_config, tokenizer):
     from megarl.rollout.sglang_utils import server_args
 
     return make_engine("sglang", model_path=cfg.model.hf_path, group=engine_group(cfg.parallel.rollout_tp),
-                       **server_args(cfg))
+                       return_routed_experts=cfg.algorithm.routing_replay, **server_args(cfg))
 
 
 def engine_group(tp: int, timeout: timedelta | None = None):
@@ -190,7 +203,7 @@ class EvalSet:
 
 @dataclass
 class PromptData:
-    train: object  # PromptSampler
+    train: object  # PromptSampler or SourceScheduleSampler (data.first_sources)
     evals: list[EvalSet]
     encode: object  # items -> list[list[int]]
 
@@ -224,7 +237,7 @@ def build_data(cfg, tokenizer) -> PromptData:
     """Training prompts (a resumable sampler) and eval sets, templated and tokenised; bad rows
     and over-long prompts are skipped, counted and named in a warning by megarl.data."""
     from megarl.data.dataset import load_prompt_dataset, tokenize_dataset
-    from megarl.data.sampler import PromptSampler
+    from megarl.data.sampler import PromptSampler, SourceScheduleSampler
 
     d = cfg.data
     kw = dict(prompt_key=d.prompt_key, answer_key=d.answer_key, source_key=d.source_key,
@@ -243,5 +256,9 @@ def build_data(cfg, tokenizer) -> PromptData:
                                  reference_key=d.reference_key)
         ds = tokenize_dataset(ds, tokenizer, **{**tok, "template": spec.get("prompt_template", d.prompt_template)})
         evals.append(EvalSet(spec["name"], list(ds.items), {k: spec[k] for k in EVAL_SAMPLING_KEYS if k in spec}))
-    sampler = PromptSampler(train.items, batch_prompts=cfg.rollout.prompts_per_step, seed=d.seed, shuffle=d.shuffle)
+    if d.first_sources:
+        sampler = SourceScheduleSampler(train.items, cfg.rollout.prompts_per_step, d.seed, d.shuffle,
+                                        d.first_sources, d.first_sources_steps, d.first_sources_decay)
+    else:
+        sampler = PromptSampler(train.items, batch_prompts=cfg.rollout.prompts_per_step, seed=d.seed, shuffle=d.shuffle)
     return PromptData(train=sampler, evals=evals, encode=lambda items: [list(it.prompt_ids) for it in items])

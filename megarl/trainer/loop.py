@@ -48,9 +48,10 @@ def train(cfg) -> dict:
         local = batch.select(rows)
 
         # ---- prepare -----------------------------------------------------------------------------
-        pretraining_critic = ppo.value_pretraining(cfg, step)
+        pretraining_critic = ppo.value_pretraining(cfg, step, state.value_pretrain_end)
         with timer("prepare"):
             local.old_logprobs = ppo.compute_log_probs(run.actor, local, cfg.rollout.temperature)
+            metrics.update(run.actor.routing_metrics)  # MoE: engine/trainer routing agreement of this pass
             if run.ref is not None:
                 local.ref_logprobs = ppo.compute_log_probs(run.ref, local, cfg.rollout.temperature)
             if run.critic is not None:
@@ -68,10 +69,14 @@ def train(cfg) -> dict:
                 metrics.update(ppo.explained_variance(local, run.dp_group))
             if not pretraining_critic:
                 with timer("actor_update"):
-                    metrics["actor/lr"] = run.actor.set_lr(step - al.value_pretrain_steps)
+                    metrics["actor/lr"] = run.actor.set_lr(step - policy_start(al, state))
                     metrics.update(ppo.update(run.actor, local, minibatches,
                                               lambda c: ppo.actor_loss_fn(cfg, c, cfg.rollout.temperature),
                                               run.dp_group, local.loss_mask))
+        if pretraining_critic and ppo.value_pretraining_converged(cfg, metrics["critic/explained_variance"]):
+            state.value_pretrain_end = step + 1
+        if run.critic is not None:
+            metrics["critic/pretraining"] = float(pretraining_critic)
         _check_finite(metrics, step)
         metrics.update(ppo.logprob_mismatch(local, run.dp_group))
         if "actor/reward_kl" in metrics:
@@ -95,6 +100,12 @@ def train(cfg) -> dict:
     progress.close()
     run.logger.close()
     return {"first_eval": first_eval, "last_eval": last_eval}
+
+
+def policy_start(al, state: TrainerState) -> int:
+    """The first policy-training step: where value pretraining met its explained-variance target,
+    else its step cap. The actor's lr schedule counts from there."""
+    return al.value_pretrain_steps if state.value_pretrain_end is None else state.value_pretrain_end
 
 
 def _check_finite(metrics: dict[str, float], step: int) -> None:

@@ -49,10 +49,24 @@ def split_minibatches(batch: StepBatch, mini_batch_size: int, seed: int, dp_rank
     return out
 
 
-def value_pretraining(cfg, step: int) -> bool:
-    """VC-PPO / VAPO value pretraining: the first algorithm.value_pretrain_steps steps train only
-    the critic, on Monte-Carlo targets."""
-    return step < cfg.algorithm.value_pretrain_steps
+def value_pretraining(cfg, step: int, pretrain_end: int | None = None) -> bool:
+    """VC-PPO / VAPO value pretraining: steps train only the critic, on Monte-Carlo targets, until
+    `pretrain_end` (TrainerState.value_pretrain_end: the step at which the explained-variance target
+    was met) or at most algorithm.value_pretrain_steps steps."""
+    return pretrain_end is None and step < cfg.algorithm.value_pretrain_steps
+
+
+def value_pretraining_converged(cfg, explained_variance: float) -> bool:
+    """algorithm.value_pretrain_ev_target reached by this step's explained variance (the critic's
+    values before its update, on the step's fresh rollouts: a held-out measure). Rank 0 decides and
+    broadcasts, so every rank leaves pretraining at the same step."""
+    target = cfg.algorithm.value_pretrain_ev_target
+    if target is None:
+        return False
+    done = torch.tensor([1.0 if explained_variance >= target else 0.0], device=device())
+    if dist.is_initialized():
+        dist.broadcast(done, src=0)
+    return bool(done.item() > 0)
 
 
 def local_minibatches(minibatches: list[list[int]]) -> tuple[list[int], list[list[int]]]:
@@ -198,12 +212,14 @@ def rollout_correction(batch: StepBatch, cfg, dp_group) -> dict[str, float]:
 
 
 def explained_variance(batch: StepBatch, dp_group) -> dict[str, float]:
-    """EV = 1 - Var(ret - V)/Var(ret) over the value tokens of the whole batch (DP-reduced moments)."""
+    """EV = 1 - Var(ret - V)/Var(ret) over the value tokens of the whole batch (DP-reduced moments);
+    0 when the returns do not vary (every sample scored the same: the moments then leave a rounding
+    residue of ~1e-16 for Var(ret), which would give EVs of -1e12)."""
     m = torch.stack([A.masked_moments(batch.returns, batch.value_mask),
                      A.masked_moments(batch.returns - batch.values, batch.value_mask)]).double()
     m = _dp_all_reduce(m, dp_group)
     (_, var_r), (_, var_d) = A.stats_from_moments(m[0]), A.stats_from_moments(m[1])
-    return {"critic/explained_variance": float(1.0 - var_d / var_r) if var_r > 0 else 0.0}
+    return {"critic/explained_variance": float(1.0 - var_d / var_r) if var_r > 1e-8 else 0.0}
 
 
 def logprob_mismatch(batch: StepBatch, dp_group) -> dict[str, float]:

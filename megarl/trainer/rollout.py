@@ -118,7 +118,8 @@ class RolloutWorker:
         scores, accs, metrics = self._rewards(per_sample, samples)
         trajs = [Trajectory(uid=item.uid, prompt_ids=list(s.prompt_ids), response_ids=list(s.response_ids),
                             rollout_logprobs=list(s.logprobs), finish_reason=s.finish_reason, score=score, acc=acc,
-                            data_source=item.data_source, policy_version=self.policy_version)
+                            data_source=item.data_source, policy_version=self.policy_version,
+                            routed_experts=s.routed_experts)
                  for item, s, score, acc in zip(per_sample, samples, scores, accs)]
         return trajs, metrics
 
@@ -135,6 +136,7 @@ class RolloutWorker:
                 data_source=item.data_source, policy_version=self.policy_version,
                 window_start=len(prior.response_ids) if prior is not None else 0,
                 start_version=prior.first_version if prior is not None else self.policy_version,
+                routed_experts=s.routed_experts,
             ))
         return trajs, metrics
 
@@ -266,9 +268,15 @@ def step_collector(cfg, run):
     if cfg.rollout.window_tokens:
         from megarl.trainer.windows import SuccessiveBatching
 
-        return SuccessiveBatching(cfg, run.worker, run.next_items, run.data.encode, run.data.train.dataset)
-    collect = collect_function(cfg)
-    return lambda step, state: collect(run.next_items, run.data.encode, run.worker, cfg, step, state.carried_groups)
+        collect = SuccessiveBatching(cfg, run.worker, run.next_items, run.data.encode, run.data.train.dataset)
+    else:
+        inner = collect_function(cfg)
+        collect = lambda step, state: inner(run.next_items, run.data.encode, run.worker, cfg, step, state.carried_groups)
+
+    def collect_step(step, state):
+        run.data.train.set_step(step)  # data.first_sources: the batch mix depends on the step
+        return collect(step, state)
+    return collect_step
 
 
 def step_seed(cfg, step: int, rnd: int) -> int:

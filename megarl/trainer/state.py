@@ -21,18 +21,24 @@ class TrainerState:
     carried_groups: list[list[Trajectory]] = field(default_factory=list)  # dynamic-sampling groups for the next step
     kl_coef: float = 0.0  # current KL coefficient (changes under the adaptive controller)
     in_flight: list[Trajectory] = field(default_factory=list)  # T-PPO: unfinished responses for the next window
+    # the step at which value pretraining ended early (algorithm.value_pretrain_ev_target met): policy
+    # training and the actor's lr schedule start there; None: pretraining runs to value_pretrain_steps
+    value_pretrain_end: int | None = None
 
     def state_dict(self) -> dict:
         """This state plus the global RNG states (python, numpy, torch), as of now."""
         return {"step": self.step, "data": self.data, "kl_coef": self.kl_coef,
                 "carried_groups": [[t.state() for t in g] for g in self.carried_groups],
-                "in_flight": [t.state() for t in self.in_flight], "rng": _get_rng()}
+                "in_flight": [t.state() for t in self.in_flight], "value_pretrain_end": self.value_pretrain_end,
+                "rng": _get_rng()}
 
     def load_state_dict(self, sd: dict) -> None:
         """Restores the state and the global RNG states saved with it."""
         self.step, self.data, self.kl_coef = int(sd["step"]), sd["data"], float(sd["kl_coef"])
         self.carried_groups = [[Trajectory(**t) for t in g] for g in sd["carried_groups"]]
         self.in_flight = [Trajectory(**t) for t in sd.get("in_flight", [])]  # absent in pre-T-PPO checkpoints
+        end = sd.get("value_pretrain_end")  # absent in checkpoints before the explained-variance target
+        self.value_pretrain_end = None if end is None else int(end)
         _set_rng(sd["rng"])
 
 

@@ -46,7 +46,12 @@ def lr_at(step: int, optim, total_steps: int) -> float:
 class TrainModel:
     def __init__(self, hf_config, optim=None, *, value_head: bool = False, dtype: str = "fp32",
                  impl: str = "local", total_steps: int = 1, padded_vocab: int | None = None, seed: int = 0,
-                 batching=None, model_options: dict | None = None, logprob_chunk_tokens: int = 4096):
+                 batching=None, model_options: dict | None = None, logprob_chunk_tokens: int = 4096,
+                 freeze_router: bool = False, routing_replay: bool = False, track_routing: bool = False):
+        """MoE: freeze_router keeps the router weights out of the gradient and the optimizer;
+        routing_replay makes the routers use the engine's experts of micro-batches that carry them
+        (megarl.models.routing); track_routing measures the engine/trainer routing agreement in
+        `forward_only` passes (`routing_metrics`)."""
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads
@@ -61,10 +66,24 @@ class TrainModel:
         self.max_tokens = batching.max_tokens_per_microbatch if batching else 32768
         self.chunk_tokens = logprob_chunk_tokens
         self.hf_source_dir: str | None = None  # copied into checkpoints (tokenizer files)
+        from megarl.models import routing
+
+        if routing_replay:
+            model_options = {**(model_options or {}), "moe_enable_routing_replay": True}
         chunks = build_model(hf_config, value_head=value_head, dtype=dtype, impl=impl,
                              padded_vocab=padded_vocab, seed=seed, config_overrides=model_options)
         self.chunks = chunks if isinstance(chunks, list) else [chunks]
         self.config = self.chunks[0].config
+        self.is_moe = bool(self.config.num_moe_experts)
+        self.routing_replay = routing_replay and self.is_moe
+        self.track_routing = track_routing and self.is_moe
+        self.routing_metrics: dict[str, float] = {}  # of the last forward_only pass with routing
+        if self.routing_replay:
+            routing.install_replay_hooks(self.chunks)
+        if freeze_router:  # before DDP: parameters without requires_grad get no grad buffer, no optimizer state
+            for c in self.chunks:
+                for _, router in routing.moe_routers(c):
+                    router.requires_grad_(False)
         self.pad_multiple = sequence_pad_multiple(self.config)
         self.cp_rank, self.cp_size = ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()
         self.optimizer = None
@@ -168,9 +187,20 @@ class TrainModel:
         self._offloaded = False
 
     # ---- forward / backward ----------------------------------------------------------------
-    def _forward_step(self, loss_fn: LossFn, scale: float):
+    def _forward_step(self, loss_fn: LossFn, scale: float, observer=None):
+        from megarl.models import routing
+
         def forward_step(data_iterator, model):
             mb: MicroBatch = next(data_iterator).to(device())
+            if self.is_moe and mb.routed_experts is not None:
+                routing.check_routing_shape(mb.routed_experts, self.config)
+                local = routing.sequence_parallel_slice(mb.routed_experts.shape[0], self.config)
+                if self.routing_replay:
+                    routing.set_replay(model, mb.routed_experts[local])
+                if observer is not None:
+                    observer.expect(model, mb.routed_experts[local], mb.routing_valid[local])
+            elif self.routing_replay:
+                routing.set_replay(model, None)
             out = model(mb.input_ids, mb.position_ids, None, packed_seq_params=thd_params(mb.cu_seqlens))
 
             def loss_func(output):
@@ -181,14 +211,27 @@ class TrainModel:
 
         return forward_step
 
-    def run(self, microbatches: list[MicroBatch], loss_fn: LossFn, forward_only: bool) -> list[dict]:
+    def run(self, microbatches: list[MicroBatch], loss_fn: LossFn, forward_only: bool, observer=None) -> list[dict]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from megarl.models import routing
 
         n = len(microbatches)
         scale = float(n * self.dp_size) if not forward_only else 1.0
         max_len = max(int(mb.input_ids.shape[1]) for mb in microbatches)
-        return get_forward_backward_func()(
-            forward_step_func=self._forward_step(loss_fn, scale),
+        if self.routing_replay:
+            routing.clear_replay(self.chunks)
+        try:
+            return self._schedule(get_forward_backward_func(), microbatches, loss_fn, scale, forward_only, max_len,
+                                  observer)
+        finally:
+            if self.routing_replay:
+                routing.clear_replay(self.chunks)
+
+    def _schedule(self, fb, microbatches, loss_fn, scale, forward_only, max_len, observer):
+        n = len(microbatches)
+        return fb(
+            forward_step_func=self._forward_step(loss_fn, scale, observer),
             data_iterator=iter(microbatches),
             model=self.chunks,
             num_microbatches=n,
@@ -212,13 +255,33 @@ class TrainModel:
             out[torch.tensor(mb.rows, device=out.device), : vals.shape[1]] = vals.detach().float()
             return output.new_zeros(()), {}
 
-        if microbatches:
-            self.run(microbatches, loss_fn, forward_only=True)
+        observer = None
+        if self.track_routing and batch.routed_experts is not None:
+            from megarl.models.routing import RoutingObserver
+
+            observer = RoutingObserver(self.chunks)
+        try:
+            if microbatches:
+                self.run(microbatches, loss_fn, forward_only=True, observer=observer)
+        finally:
+            if observer is not None:
+                observer.close()
+        if observer is not None:
+            self.routing_metrics = self._agreement(observer.stats)
         for c in self.chunks:
             c.train()
         if dist.get_world_size(self.pp_group) > 1:
             dist.broadcast(out, src=dist.get_process_group_ranks(self.pp_group)[-1], group=self.pp_group)
         return out.cpu() * batch.response_mask
+
+    def _agreement(self, stats: torch.Tensor) -> dict[str, float]:
+        """Routing agreement over every rank's tokens and layers (each (token, layer) pair is routed
+        on exactly one rank: tokens split over DP / CP / SP, layers over PP)."""
+        from megarl.models.routing import agreement_metrics
+
+        stats = stats.to(device())
+        dist.all_reduce(stats)
+        return agreement_metrics(stats.cpu(), self.routing_replay)
 
     def train_step(self, batch: StepBatch, loss_fn: LossFn, rows: list[int] | None = None) -> dict[str, float]:
         """One optimizer step over micro-batches of `rows` of the batch (default all). Returns

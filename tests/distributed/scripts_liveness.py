@@ -26,6 +26,12 @@ NOT_ON_CPU = {
     "rollout.mem_fraction": "SGLang's mem_fraction_static (passed by build_engine to the SGLang engine; no SGLang on CPU)",
 }
 SHOWN_ELSEWHERE = {
+    "model.moe_aux_loss_coeff": "tests/distributed/test_moe_train.py::test_load_balancing_loss_is_configurable "
+                                "(MoE only: the liveness model here is dense)",
+    "model.moe_load_balancing_type": "tests/distributed/test_moe_train.py::test_load_balancing_loss_is_configurable",
+    "model.freeze_router": "tests/distributed/test_moe_train.py::test_frozen_router_stays_bit_identical_while_experts_train",
+    "algorithm.routing_replay": "tests/distributed/test_moe_train.py::test_rl_step_logs_routing_agreement (an RL step "
+                                "with replay logs moe/replayed_fraction; test_replay_makes_the_trainer_route_like_the_engine)",
     "model.logprob_chunk_tokens": "tests/distributed/test_cp.py::test_chunked_views_equal_unchunked_and_the_formulas "
                                   "(the chunk size changes memory, not results: the test shows chunks of 1, 3 and "
                                   "4096 tokens give the same log-probs, entropy and gradients); "
@@ -37,6 +43,9 @@ SHOWN_ELSEWHERE = {
                                      "test_a_lost_rank_ends_the_other_within_the_timeout_naming_the_phase",
     "algorithm.name": "tests/unit/test_config_recipes.py::test_every_preset_and_recipe_loads (a label, written to "
                       "run_dir/config.yaml; each preset's name is its file's)",
+    **{f"data.{k}": "tests/unit/test_data_selection.py::test_build_data_schedules_by_the_data_first_sources_fields "
+                    "(needs a training set with two data sources; this one has one)"
+       for k in ("first_sources", "first_sources_steps", "first_sources_decay")},
 }
 
 
@@ -518,6 +527,20 @@ def obs_sft(ctx, cfg):
             "warmup": c.actor.lr_warmup_steps}
 
 
+def obs_quickstart_model(ctx, cfg):
+    """The tiny model `megarl quickstart` builds from quickstart.*: its type, parameter count and
+    logits on a short text (the experts each token is routed to change them)."""
+    from megarl.quickstart import tiny_model_spec
+    from megarl.tasks.tiny_model import build_byte_tokenizer, build_tiny_model
+
+    tok = build_byte_tokenizer()
+    model = build_tiny_model(tok, tiny_model_spec(cfg))
+    with torch.no_grad():
+        logits = model(torch.tensor([tok.encode("12 + 34 = 46")])).logits
+    return {"model_type": model.config.model_type, "params": sum(p.numel() for p in model.parameters()),
+            "logits_abs_sum": round(float(logits.abs().sum()), 3)}
+
+
 # --------------------------------------------------------------------------- witnesses
 def obs_async_save(ctx, cfg):
     """What `latest` and step_1 hold right after RunComponents.save returns, and after finalising."""
@@ -651,6 +674,10 @@ WITNESSES = {
     "algorithm.overlong_factor": W("2.0", obs_score, "algorithm.overlong_penalty=true"),
     "algorithm.overlong_filter": W("true", obs_masks),
     "algorithm.value_pretrain_steps": W("1", obs_advantages, *CRITIC_GAE, "algorithm.lam_critic=0.5"),
+    # any explained variance meets -1e9 (it is 0 when all samples score the same): pretraining ends
+    # after step 1 and the actor trains at step 2
+    "algorithm.value_pretrain_ev_target": W("-1e9", obs_loop, *LOOP, "critic.enable=true", *CRITIC_GAE,
+                                            "trainer.total_steps=2", "algorithm.value_pretrain_steps=2"),
     "algorithm.rollout_is": W("tis", obs_rollout_is),
     "algorithm.rollout_is_cap": W("1.5", obs_rollout_is, "algorithm.rollout_is=tis"),
     "algorithm.retrain_earlier_windows": W("true", obs_window_masks),
@@ -680,6 +707,10 @@ WITNESSES = {
     "sft.lr_warmup_steps": W("3", obs_sft),
     "sft.batch_size": W("2", obs_sft),
     "sft.max_len": W("30", obs_sft),
+    "quickstart.family": W("qwen2_moe", obs_quickstart_model),
+    "quickstart.num_experts": W("4", obs_quickstart_model, "quickstart.family=qwen3_moe"),
+    "quickstart.moe_topk": W("4", obs_quickstart_model, "quickstart.family=qwen2_moe"),
+    "quickstart.moe_intermediate": W("96", obs_quickstart_model, "quickstart.family=qwen3_moe"),
 }
 OPTIM_CHANGES = {"lr": "0.01", "min_lr": "0.0005", "lr_warmup_steps": "3", "lr_decay_style": "cosine",
                  "lr_decay_steps": "3", "weight_decay": "0.5", "adam_beta1": "0.5", "adam_beta2": "0.5",

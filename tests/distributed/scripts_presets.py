@@ -41,7 +41,7 @@ def scaled_down(root: Path) -> list[str]:
     return [
         f"model.hf_path={root / 'model'}", "model.load=null", "model.dtype=fp32", "model.transformer_impl=local",
         "model.sequence_parallel=false", "model.recompute=null", "parallel.tp=1", "parallel.pp=1", "parallel.cp=1",
-        "parallel.rollout_tp=1", "parallel.nodes=1", "parallel.gpus_per_node=2", "rollout.engine=builtin",
+        "parallel.ep=1", "parallel.etp=null", "parallel.rollout_tp=1", "parallel.nodes=1", "parallel.gpus_per_node=2", "rollout.engine=builtin",
         f"data.train_path={root / 'task' / 'train.jsonl'}", f"data.eval=[{root / 'task' / 'eval.jsonl'}]",
         "data.prompt_template=arith", "data.max_prompt_len=32", "rollout.n_samples_per_prompt=4",
         "rollout.prompts_per_step=4", "rollout.gen_batch_prompts=8", "rollout.max_new_tokens=12",
@@ -65,6 +65,16 @@ def presets() -> dict[str, list[str]]:
 
 # preset -> overrides its scaled-down run needs besides `scaled_down` (T-PPO: windows below max_new_tokens)
 PRESET_EXTRA = {"algorithms/tppo.yaml": ["rollout.window_tokens=4"]}
+
+
+def moe_extra(config: str, root: Path) -> list[str]:
+    """A recipe of an MoE model (configs/models/<model.name>.json has experts) runs on the tiny
+    Qwen3-MoE (root/moe_model) with its experts split over the 2 ranks (EP=2)."""
+    name = load_config(config).model.name
+    path = REPO / "configs" / "models" / f"{name}.json"
+    if not (name and path.exists() and json.loads(path.read_text()).get("num_experts")):
+        return []
+    return [f"model.hf_path={root / 'moe_model'}", "parallel.ep=2"]
 
 # run name -> overrides: every policy loss and advantage estimator of megarl/algorithms/objectives.py
 OBJECTIVE_RUNS = {
@@ -99,7 +109,7 @@ def main():
     base = scaled_down(root)
     res = {}
     for name, (config,) in presets().items():
-        res[name] = {"rows": run(name, config, base + PRESET_EXTRA.get(name, []), root),
+        res[name] = {"rows": run(name, config, base + PRESET_EXTRA.get(name, []) + moe_extra(config, root), root),
                      "algorithm": load_config(config).algorithm.name}
     res["custom_advantage"] = {"rows": run("custom_advantage", str(REPO / "configs/algorithms/grpo.yaml"),
                                            base + ["algorithm.advantage=tests.distributed.scripts_presets:sign_advantage",

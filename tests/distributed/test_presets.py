@@ -14,6 +14,8 @@ def result(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("presets")
     save_tiny_model(root / "model", TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, seed=0))
+    save_tiny_model(root / "moe_model", TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, seed=0,
+                                                      family="qwen3_moe", num_experts=4, moe_topk=2, moe_intermediate=64))
     write_task_files(root / "task", n_sft=4, n_train=64, n_eval=4, seed=0)
     return run_torchrun(REPO / "tests/distributed/scripts_presets.py", 2, ["--root", str(root)], root / "out.json",
                         timeout=1200)
@@ -32,7 +34,16 @@ def train_rows(rows):
 def test_every_preset_ran():
     names = {p.relative_to(REPO / "configs").as_posix() for p in (REPO / "configs").glob("algorithms/*.yaml")}
     names |= {p.relative_to(REPO / "configs").as_posix() for p in (REPO / "configs").glob("recipes/*/*.yaml")}
-    assert len(names) == 13
+    assert len(names) == 17
+
+
+def test_moe_recipes_ran_at_ep2_on_the_tiny_moe(result):
+    # Qwen3-30B-A3B / 235B-A22B recipes: the tiny Qwen3-MoE, experts over 2 ranks; MoE steps log routing agreement
+    moe = {k: v["rows"] for k, v in result.items() if k.startswith("recipes/qwen3-")}
+    assert len(moe) == 4
+    for name, rows in moe.items():
+        rows = train_rows(rows)
+        assert rows and all(0 <= r["moe/routing_agreement"] <= 1 for r in rows), name
 
 
 def test_all_presets_ran_every_step(result):

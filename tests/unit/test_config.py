@@ -177,8 +177,7 @@ def test_enum_values_are_checked_with_suggestion():
         (["algorithm.advantage=egae", "critic.enable=false"], "critic.enable", "needs a critic"),
         (["algorithm.mini_batch_size=500"], "algorithm.mini_batch_size", "8192"),
         (["model.sequence_parallel=true"], "model.sequence_parallel", "tp > 1"),
-        (["model.sequence_parallel=true", "parallel.tp=2", "model.transformer_impl=local"], "model.sequence_parallel",
-         "Transformer Engine"),
+        (["model.moe_aux_loss_coeff=-0.01"], "model.moe_aux_loss_coeff", "must be >= 0"),
         (["rollout.window=8192"], "rollout.window", "unknown"),
         (["eval.every=5"], "eval.every", "unknown"),
         (["model.logprob_chunk_tokens=0"], "model.logprob_chunk_tokens", "must be >= 1"),
@@ -243,6 +242,9 @@ def test_validate_world_and_model():
     assert "rollout_tp=8" in msg
     with pytest.raises(ConfigError, match="needs an MoE model"):
         validate_model(load_config(None, ["parallel.ep=2"]), qwen7b)
+    for field in ("algorithm.routing_replay", "model.freeze_router"):  # MoE-only switches on a dense model
+        with pytest.raises(ConfigError, match=f"{field}.*dense model"):
+            validate_model(load_config(None, [f"{field}=true"]), qwen7b)
 
 
 def test_save_and_reload_round_trip(tmp_path):

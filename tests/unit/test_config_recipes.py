@@ -23,7 +23,8 @@ def algo(name: str):
 def test_expected_files_are_shipped():
     names = {os.path.relpath(p, os.path.join(CONFIGS, "recipes")) for p in RECIPES}
     assert names == {f"qwen2.5-32b/{a}.yaml" for a in ("dapo", "vapo", "ppo", "grpo")} | {
-        f"qwen2.5-7b/{a}.yaml" for a in ("dapo", "vapo", "grpo")}
+        f"qwen2.5-7b/{a}.yaml" for a in ("dapo", "vapo", "grpo")} | {
+        f"{m}/{a}.yaml" for m in ("qwen3-30b-a3b", "qwen3-235b-a22b") for a in ("dapo", "vapo")}
     assert {os.path.basename(p) for p in ALGORITHMS} == {f"{a}.yaml" for a in ("grpo", "dapo", "ppo", "vc_ppo", "vapo", "tppo")}
 
 

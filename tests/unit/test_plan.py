@@ -249,6 +249,8 @@ def test_layout_set():
     names = {os.path.relpath(p, os.path.join(CONFIGS, "layouts")) for p in LAYOUTS}
     assert {f"qwen2.5-7b/{n}node.yaml" for n in (1, 2, 4, 8, 16, 32, 64)} <= names
     assert {f"qwen2.5-32b/{n}node.yaml" for n in (2, 4, 8, 16, 32, 64)} <= names
+    assert {f"qwen3-30b-a3b/{n}node.yaml" for n in (1, 2, 4, 8)} <= names
+    assert {f"qwen3-235b-a22b/{n}node.yaml" for n in (16, 32, 64)} <= names
     long = {os.path.relpath(p, os.path.join(CONFIGS, "layouts")) for p in LONG_LAYOUTS}
     assert {f"qwen2.5-32b/16node-{k}k.yaml" for k in (20, 32, 64)} <= long
 
@@ -310,3 +312,127 @@ def test_cli(capsys):
     bad = plan.main(["--recipe", os.path.join(CONFIGS, "recipes", "qwen2.5-32b", "dapo.yaml"), "--nodes", "1",
                      "model.recompute=null", "actor.offload_optimizer=false"])
     assert bad == 1 and "DOES NOT FIT" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- mixture of experts
+
+
+QWEN3_30B = plan.Arch.from_hf(hf_json("qwen3-30b-a3b"))
+QWEN3_235B = plan.Arch.from_hf(hf_json("qwen3-235b-a22b"))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_moe_param_count_matches_hf_model(family):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    hf = dict(hidden_size=64, intermediate_size=160, moe_intermediate_size=48, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=24, num_hidden_layers=3, vocab_size=1000, num_experts=6,
+              num_experts_per_tok=2, tie_word_embeddings=False, model_type=family)
+    if family == "qwen2_moe":
+        hf["shared_expert_intermediate_size"] = 40
+    config_cls = transformers.Qwen3MoeConfig if family == "qwen3_moe" else transformers.Qwen2MoeConfig
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config_cls(**{k: v for k, v in hf.items() if k != "model_type"}))
+    arch = plan.Arch.from_hf(hf)
+    assert arch.total_params() == sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
+    assert arch.layers * arch.expert_layer_params() == experts
+    # a token passes through 2 of the 6 experts of every layer
+    assert arch.active_params() == arch.total_params() - experts * 4 // 6
+
+
+def test_qwen3_moe_sizes():
+    # Qwen3-30B-A3B by hand: attention 2*2048*4096 + 2*2048*4*128, q/k norms 2*128, norms 2*2048,
+    # router 128*2048, experts 128 * 3*2048*768 per layer; untied 151936 x 2048 embedding and head
+    layer = 2 * 2048 * 4096 + 2 * 2048 * 512 + 256 + 4096 + 128 * 2048 + 128 * 3 * 2048 * 768
+    assert QWEN3_30B.total_params() == 48 * layer + 2 * 151936 * 2048 + 2048 == 30_532_122_624
+    assert QWEN3_30B.active_params() == 30_532_122_624 - 48 * 120 * 3 * 2048 * 768 == 3_353_032_704
+    layer = 2 * 4096 * 8192 + 2 * 4096 * 512 + 256 + 8192 + 128 * 4096 + 128 * 3 * 4096 * 1536
+    assert QWEN3_235B.total_params() == 94 * layer + 2 * 151936 * 4096 + 4096 == 235_093_634_560
+    assert QWEN3_235B.active_params() == 235_093_634_560 - 94 * 120 * 3 * 4096 * 1536
+
+
+def test_moe_weights_shard_over_ep_and_optimizer_over_expert_dp():
+    a = QWEN3_30B
+    # TP=2, EP=8, expert-TP 1 on 64 GPUs: dense DP x CP = 64 / 2 = 32, expert DP = 64 / (1 * 8 * 1) = 8
+    cfg = load_config(None, ["model.name=qwen3-30b-a3b", "parallel.tp=2", "parallel.ep=8", "parallel.etp=1",
+                             "parallel.nodes=8", "model.sequence_parallel=true",
+                             "model.transformer_impl=transformer_engine"])
+    (actor,) = plan.model_states(a, cfg, world=64)
+    experts = 48 * 128 * 3 * 2048 * 768 // 8                       # 16 whole experts of every layer
+    replicated = 2 * 2048 + 256 + 128 * 2048                          # norms, q/k norms, router
+    dense = 48 * ((2 * 2048 * 4096 + 2 * 2048 * 512) / 2 + replicated) + 151936 * 2048 / 2 * 2 + 2048
+    assert a.stage_expert_params(1, 8, 1) == experts == 3_623_878_656
+    assert actor.params_gpu == int(dense) + experts
+    assert actor.weights == actor.grads == 2 * actor.params_gpu
+    assert actor.optimizer == pytest.approx(12 * dense / 32 + 12 * experts / 8)
+    # expert-TP 2 splits every expert in two and halves the expert-DP group (64 / (2 * 8) = 4)
+    (etp2,) = plan.model_states(a, load_config(None, ["model.name=qwen3-30b-a3b", "parallel.tp=2", "parallel.ep=8",
+                                                      "parallel.nodes=8"]), world=64)
+    assert etp2.params_gpu == int(dense) + experts // 2
+    assert etp2.optimizer == pytest.approx(12 * dense / 32 + 12 * (experts // 2) / 4)
+
+
+def test_moe_activations_and_dispatcher_buffers():
+    # Qwen3-30B-A3B, TP=2 with SP, expert-TP 1, selective recompute, 32768 tokens per micro-batch,
+    # routing imbalance u = 2: the GPU routes t = 16384 tokens
+    cfg = load_config(None, ["model.name=qwen3-30b-a3b", "parallel.tp=2", "parallel.ep=8", "parallel.etp=1",
+                             "parallel.nodes=8", "model.sequence_parallel=true", "model.recompute=selective",
+                             "model.transformer_impl=transformer_engine", "actor.max_tokens_per_microbatch=32768",
+                             "data.max_prompt_len=2048", "rollout.max_new_tokens=20480"])
+    h, k, fe, E, u = 2048, 8, 768, 128, 2.0
+    # R = 8h, S = 4ad + 4gd (no shared expert, no core-attention term), M = 8E + (2kh + 6k fe) u + 2kh
+    per_token = (8 * h + 4 * 32 * 128 + 4 * 4 * 128 + 8 * E + (2 * k * h + 6 * k * fe) * u + 2 * k * h) / 2
+    assert plan.activation_bytes_per_token_layer(QWEN3_30B, cfg, 22528, moe_imbalance=u) == per_token
+    acts = plan.activation_bytes(QWEN3_30B, cfg, "actor", moe_imbalance=u)
+    assert acts["layers"] == 48 * 32768 * per_token
+    t = 16384
+    assert acts["moe_buffers"] == 2 * k * t * h + 2 * k * t * h * u + 6 * k * t * fe * u
+    assert acts["total"] == acts["layers"] + acts["logits"] + acts["moe_buffers"]
+    # expert-TP 2: each routed copy is all-gathered over the 2 expert-TP ranks (and the buffer for it)
+    cfg2 = load_config(None, ["model.name=qwen3-30b-a3b", "parallel.tp=2", "parallel.ep=8", "parallel.nodes=8",
+                              "model.sequence_parallel=true", "model.recompute=selective",
+                              "model.transformer_impl=transformer_engine", "actor.max_tokens_per_microbatch=32768",
+                              "data.max_prompt_len=2048", "rollout.max_new_tokens=20480"])
+    acts2 = plan.activation_bytes(QWEN3_30B, cfg2, "actor", moe_imbalance=1.0)
+    assert acts2["moe_buffers"] == 2 * k * t * h + 2 * k * t * h + 2 * k * t * 2 * h + 6 * k * t * fe
+    # a dense model has no MoE terms
+    assert plan.activation_bytes(QWEN32, long_cfg("actor.max_tokens_per_microbatch=65536"), "actor")["moe_buffers"] == 0
+
+
+def test_moe_train_flops_count_active_parameters():
+    cfg = load_config(os.path.join(CONFIGS, "recipes", "qwen3-30b-a3b", "dapo.yaml"))
+    t = plan.step_time(cfg, QWEN3_30B, plan.GPUS["h100"], 64, kv_tokens=1e6, avg_prompt_len=200,
+                       avg_response_len=1800, mfu=0.5, decode_eff=0.6, gen_rounds=1)
+    per_token_fwd = 2 * 3_353_032_704 + 4 * 48 * 32 * 128 * 1000  # 2 N_active + causal attention, mean context 1000
+    assert t["train_flops"] == pytest.approx(per_token_fwd * 512 * 16 * 2000 * (1 + 4))
+
+
+@pytest.mark.parametrize("gpu", ["h100", "h200"])
+def test_moe_layout_without_enough_expert_parallelism_is_rejected(gpu):
+    # Qwen3-235B-A22B on 16 nodes with EP 2 instead of 64: 32x the routed experts per GPU (56.8B,
+    # 212 GiB of bf16 weights and gradients)
+    recipe = os.path.join(CONFIGS, "recipes", "qwen3-235b-a22b", "dapo.yaml")
+    layout = os.path.join(CONFIGS, "layouts", "qwen3-235b-a22b", "16node.yaml")
+    cfg = load_config([recipe, layout], ["parallel.ep=2"])
+    pl = plan.plan(cfg, QWEN3_235B, hf_json("qwen3-235b-a22b"), plan.GPUS[gpu])
+    assert not pl.fits and any("the largest term is model states" in p for p in pl.problems)
+    # and one whose experts do not divide by EP is reported, not crashed on
+    pl = plan.plan(load_config([recipe, layout], ["parallel.ep=3", "parallel.pp=1"]), QWEN3_235B,
+                   hf_json("qwen3-235b-a22b"), plan.GPUS[gpu])
+    assert any("num_experts=128 is not divisible by ep=3" in p for p in pl.problems)
+
+
+def test_moe_cli(capsys):
+    rc = plan.main(["--recipe", os.path.join(CONFIGS, "recipes", "qwen3-30b-a3b", "vapo.yaml"),
+                    "--layout", os.path.join(CONFIGS, "layouts", "qwen3-30b-a3b", "8node.yaml")])
+    out = capsys.readouterr().out
+    assert rc == 0 and "FITS" in out and "3.35B active: 128 experts, top-8" in out
+    assert "ep=8 etp=1 edp=8" in out and "(3.62B routed experts)" in out and "MoE dispatcher" in out
+
+
+def test_unmodelled_moe_is_refused():
+    with pytest.raises(plan.ConfigError, match="not modelled"):
+        plan.Arch.from_hf({"model_type": "deepseek_v3", "n_routed_experts": 256, "hidden_size": 7168,
+                           "num_hidden_layers": 61, "num_attention_heads": 128, "intermediate_size": 18432,
+                           "vocab_size": 129280})

@@ -8,6 +8,7 @@ SGLang itself cannot run here; its GPU paths (weight streaming) are verified onl
 
 from __future__ import annotations
 
+import base64
 import importlib.util
 import os
 import pickle
@@ -278,14 +279,22 @@ class _StandInEngine:
         self.offloaded -= set(tags)
         self.memory_calls.append(("resume", list(tags)))
 
-    def generate(self, input_ids, sampling_params, return_logprob):
+    def generate(self, input_ids, sampling_params, return_logprob, return_routed_experts=False):
         assert return_logprob and not self.offloaded
+        # SGLang refuses return_routed_experts unless the server was started with the flag
+        assert not return_routed_experts or self.kwargs.get("enable_return_routed_experts")
         outs = []
         for ids, d in zip(input_ids, sampling_params):
             self.requests.append(d)
             sp = SamplingParams(temperature=d["temperature"], top_k=d["top_k"], top_p=d["top_p"],
                                 max_new_tokens=d["max_new_tokens"], seed=d.get("sampling_seed"))
-            outs.append(_sglang_format(self.backend.generate([ids], sp)[0]))
+            sample = self.backend.generate([ids], sp)[0]
+            out = _sglang_format(sample)
+            if return_routed_experts:  # SGLang: base64 of int32 [prompt + output - 1, layers, top_k]
+                n = len(sample.prompt_ids) + len(sample.response_ids) - 1
+                raw = sample.routed_experts[:n].to(torch.int32).numpy().tobytes()
+                out["meta_info"]["routed_experts"] = base64.b64encode(raw).decode("ascii")
+            outs.append(out)
         return outs
 
 
@@ -446,3 +455,42 @@ def test_build_engine_passes_the_server_args(tiny_checkpoint, tmp_path_factory, 
     expected = {"tp_size": 1, "mem_fraction_static": 0.5, "context_length": 8 + 20480, "chunked_prefill_size": 16}
     assert {k: engine.engine_kwargs[k] for k in expected} == expected  # eval.max_new_tokens (20480) is the larger cap
     assert engine.max_context == 8 + 20480
+
+
+def test_engine_reads_sglang_routed_experts_for_routing_replay(tmp_path):
+    """return_routed_experts=True: the server flag is set, every call asks for the routing, and each
+    sample's routed_experts are the experts its tokens were routed to (the stand-in answers with the
+    builtin engine's, in SGLang's base64 int32 format), FIRE's two calls included."""
+    from tests.distributed.scripts_moe import make_tiny_moe
+
+    path = make_tiny_moe("qwen3_moe", tmp_path / "moe")
+    _StandInEngine.created.clear()
+    engine = _engine(path, return_routed_experts=True)
+    engine.start()
+    (sgl,) = _StandInEngine.created
+    assert sgl.kwargs["enable_return_routed_experts"]
+    for fire in (False, True):
+        samples = engine.generate([[5, 6, 7], [9, 10, 11, 12, 13]], SamplingParams(n=2, max_new_tokens=6, seed=3,
+                                                                                  fire=fire))
+        for s in samples:
+            total = len(s.prompt_ids) + len(s.response_ids)
+            assert s.routed_experts.shape == (total, 2, 2) and s.routed_experts.dtype == torch.int16
+            # the experts of every forwarded token, recomputed by a full forward of the sequence
+            expected = _full_forward_routing(sgl.backend, s.prompt_ids + s.response_ids[:-1])
+            assert torch.equal(s.routed_experts[: total - 1], expected)
+            assert torch.equal(s.routed_experts[-1], torch.tensor([[0, 1], [0, 1]], dtype=torch.int16))
+
+
+def _full_forward_routing(engine: BuiltinEngine, ids: list[int]) -> torch.Tensor:
+    from megarl.rollout.torch_model import KVCache
+    from megarl.rollout.torch_moe import RoutingTape
+
+    tape = RoutingTape(engine.model)
+    n = len(ids)
+    cache = KVCache.allocate(engine.args, 1, n, engine.dtype, engine.device)
+    with torch.inference_mode():
+        engine.model(torch.tensor([ids]), torch.arange(n)[None], cache, 0,
+                     torch.ones(n, n, dtype=torch.bool).tril()[None, None])
+    out = tape.take()
+    tape.close()
+    return out

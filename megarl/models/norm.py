@@ -1,0 +1,31 @@
+"""RMSNorm for megarl's local layer spec that also runs under sequence parallelism.
+
+megatron's local spec falls back to `WrappedTorchNorm` (torch.nn.RMSNorm) without apex, which
+refuses `sequence_parallel`. This one computes the same thing,
+    y = x / sqrt(mean(x^2, last dim) + eps) * weight   (torch.nn.functional.rms_norm),
+and, like megatron's fused norms, tags its weight `sequence_parallel` when the config asks for it:
+each TP rank then holds a slice of the sequence, so its weight gradient is a partial sum that
+megatron's `finalize_model_grads` all-reduces (sums) over the TP group.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class RMSNorm(torch.nn.Module):
+    """Signature of megatron's norm modules (`build_module(spec, config=, hidden_size=, eps=)`)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                 zero_centered_gamma: bool = False, normalization: str = "RMSNorm"):
+        super().__init__()
+        if normalization != "RMSNorm" or config.normalization != "RMSNorm" or config.layernorm_zero_centered_gamma:
+            raise ValueError("megarl.models.norm.RMSNorm implements plain RMSNorm only")
+        self.eps = eps
+        # default dtype, as torch.nn.RMSNorm in megatron's WrappedTorchNorm (same parameters, same numerics)
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size))
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)

@@ -1,0 +1,99 @@
+"""Worker for tests/distributed/test_critic_learns.py (2 gloo ranks, TP=2).
+
+A critic built as the trainer builds it (`build.build_critic`: the actor's backbone plus a value
+head) is trained through the trainer's own path (`ppo.compute_values`, `ppo.compute_advantages`,
+`ppo.update` with `ppo.critic_loss_fn`, `ppo.explained_variance`) on a synthetic task whose outcome
+is a known function of the response: score = +1 if the FIRST response token is `A`, -1 if it is
+`B` (each with probability 1/2), the remaining response tokens are noise. With the reward on the
+last token and gamma = lambda = 1 the return at every response token is the score, so:
+
+- the value of response token j >= 1 (the state before token j, which has seen token 0) can
+  predict the return exactly;
+- the value of response token 0 (the state before token 0: the prompt only) cannot: it must stay
+  near the mean return, 0. A critic that sees the token it scores (value read one position too
+  late) would predict it; one read a position too early could not predict token 1.
+
+Reports, on a held-out batch: the explained variance, and per position the mean squared error
+of the values against the returns and the mean |value|.
+"""
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megarl.config import load_config
+from megarl.parallel.distributed import init_distributed
+from megarl.trainer import build, ppo
+from megarl.trainer.batch import StepBatch, Trajectory
+from megarl.trainer.build import load_hf_config_and_tokenizer
+
+A_TOKEN, B_TOKEN = 40, 41
+
+
+def synthetic_batch(vocab: int, n: int, seed: int, cfg) -> StepBatch:
+    rng = random.Random(seed)
+    trajs = []
+    for i in range(n):
+        prompt = [rng.randrange(50, vocab) for _ in range(rng.randint(4, 7))]
+        first = rng.choice([A_TOKEN, B_TOKEN])
+        response = [first] + [rng.randrange(50, vocab) for _ in range(rng.randint(5, 9))]
+        score = 1.0 if first == A_TOKEN else -1.0
+        trajs.append(Trajectory(uid=str(i), prompt_ids=prompt, response_ids=response,
+                                rollout_logprobs=[0.0] * len(response), finish_reason="stop",
+                                score=score, acc=score > 0))
+    batch = StepBatch.from_trajectories(trajs)
+    ppo.set_masks(batch, cfg)
+    return batch
+
+
+def prepare(critic, batch: StepBatch, cfg, dp_group) -> StepBatch:
+    rows = list(range(len(batch)))
+    batch.old_logprobs = torch.zeros_like(batch.response_mask)
+    batch.values = ppo.compute_values(critic, batch)
+    ppo.compute_advantages(batch, batch, rows, cfg, dp_group, 0.0, value_pretraining=True)
+    return batch
+
+
+def main():
+    from megatron.core import parallel_state as ps
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--config", required=True)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("overrides", nargs="*")
+    a = p.parse_args()
+    cfg = load_config(a.config, a.overrides)
+    init_distributed(cfg.parallel, seed=cfg.trainer.seed)
+    hf_config, _ = load_hf_config_and_tokenizer(cfg.model.hf_path)
+    actor = build.build_actor(cfg, hf_config)
+    critic = build.build_critic(cfg, hf_config, actor)
+    dp_group, vocab = ps.get_data_parallel_group(), hf_config.vocab_size
+    history = []
+    for step in range(a.steps):
+        batch = prepare(critic, synthetic_batch(vocab, 32, seed=step, cfg=cfg), cfg, dp_group)
+        history.append(ppo.explained_variance(batch, dp_group)["critic/explained_variance"])
+        critic.set_lr(step)
+        ppo.update(critic, batch, [list(range(len(batch)))], lambda c: ppo.critic_loss_fn(cfg, c), dp_group,
+                   batch.value_mask)
+    held_out = prepare(critic, synthetic_batch(vocab, 64, seed=10_000, cfg=cfg), cfg, dp_group)
+    m = held_out.value_mask.bool()
+    err = (held_out.values - held_out.returns) ** 2
+    res = {
+        "ev_first": history[0], "ev_history": history,
+        "ev_held_out": ppo.explained_variance(held_out, dp_group)["critic/explained_variance"],
+        "mse_token0": float(err[:, 0].mean()), "abs_value_token0": float(held_out.values[:, 0].abs().mean()),
+        "mse_later": float(err[:, 1:][m[:, 1:]].mean()),
+        "returns_token0": held_out.returns[:, 0].tolist(), "scores": held_out.score.tolist(),
+    }
+    if dist.get_rank() == 0:
+        Path(a.out).write_text(json.dumps(res))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
