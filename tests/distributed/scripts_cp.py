@@ -27,12 +27,14 @@ from megarl.trainer.train_model import TrainModel
 LAYOUTS = [(1, 1, 1), (1, 1, 2), (2, 1, 2), (1, 2, 2)]
 
 
-def packed_batch(vocab: int, cfg, n: int = 8) -> StepBatch:
+def packed_batch(vocab: int, cfg, n: int = 8, max_response: int = 23) -> StepBatch:
+    """n random prompts (3-9 tokens) and responses (1..max_response tokens), random advantages
+    and returns; the same batch on every rank."""
     rng = random.Random(1)
     trajs = []
     for i in range(n):
         p = [rng.randrange(3, vocab) for _ in range(rng.randint(3, 9))]
-        r = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 23))]
+        r = [rng.randrange(3, vocab) for _ in range(rng.randint(1, max_response))]
         trajs.append(Trajectory(uid=str(i // 2), prompt_ids=p, response_ids=r, rollout_logprobs=[0.0] * len(r),
                                 finish_reason="stop", score=float(i % 3 == 0), acc=i % 3 == 0))
     batch = StepBatch.from_trajectories(trajs)

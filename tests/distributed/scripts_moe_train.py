@@ -15,7 +15,6 @@ Sections (rank 0 writes the JSON):
 
 import argparse
 import json
-import random
 import time
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from megarl.parallel.distributed import ParallelSizes, device, init_distributed
 from megarl.trainer import ppo
 from megarl.trainer.batch import StepBatch, Trajectory
 from megarl.trainer.train_model import TrainModel
+from tests.distributed import scripts_cp
 from tests.distributed.scripts_moe import make_tiny_moe, tiny_moe_config
 
 START = time.time()
@@ -34,19 +34,8 @@ LAYOUTS = [(1, 1), (1, 2), (2, 2)]  # (tp, ep); TP2 with sequence parallelism
 PROMPTS = [[5, 9, 14, 3], [7, 7, 120, 33, 2, 64, 18], [100, 4], [11, 12, 13, 14, 15]]
 
 
-def packed_batch(vocab: int, cfg, n: int = 8) -> StepBatch:
-    rng = random.Random(1)
-    trajs = []
-    for i in range(n):
-        p = [rng.randrange(3, vocab) for _ in range(rng.randint(3, 9))]
-        r = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 15))]
-        trajs.append(Trajectory(uid=str(i // 2), prompt_ids=p, response_ids=r, rollout_logprobs=[0.0] * len(r),
-                                finish_reason="stop", score=float(i % 3 == 0), acc=i % 3 == 0))
-    batch = StepBatch.from_trajectories(trajs)
-    batch.advantages = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(2))
-    batch.advantages *= batch.response_mask
-    ppo.set_masks(batch, cfg)
-    return batch
+def packed_batch(vocab: int, cfg) -> StepBatch:
+    return scripts_cp.packed_batch(vocab, cfg, max_response=15)
 
 
 def actor(cfg, hf_config, path, tp: int, ep: int, pp: int = 1, cp: int = 1, **kw) -> TrainModel:
