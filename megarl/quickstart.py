@@ -69,6 +69,7 @@ def worker(argv: list[str]) -> None:
     from megarl.config import save_config
     from megarl.config.cli import add_config_arguments, config_from_args
     from megarl.parallel.distributed import destroy_distributed, init_distributed, phase
+    from megarl.tasks import quickstart_task
 
     t0 = time.perf_counter()
     p = argparse.ArgumentParser(prog="python -m megarl.quickstart")
@@ -79,25 +80,24 @@ def worker(argv: list[str]) -> None:
     cfg.trainer.run_dir = str(run)
     init_distributed(cfg.parallel, seed=cfg.trainer.seed)
     rank0 = dist.get_rank() == 0
+    task = quickstart_task(cfg.quickstart.task)
 
     # 1. tiny model, tokenizer and task data (rank 0 writes, everyone waits)
     model_dir, task_dir = run / "tiny_model", run / "task"
     if rank0:
-        from megarl.tasks.arith import write_task_files
         from megarl.tasks.tiny_model import save_tiny_model
 
         run.mkdir(parents=True, exist_ok=True)
         save_config(cfg, str(run / "config.yaml"))
         with phase("build"):
             _write_once(model_dir, lambda tmp: save_tiny_model(tmp, tiny_model_spec(cfg)))
-            _write_once(task_dir, lambda tmp: write_task_files(tmp, n_sft=12000, n_train=4000, n_eval=200,
-                                                               seed=cfg.trainer.seed))
+            _write_once(task_dir, lambda tmp: task.write_files(tmp, cfg))
     dist.barrier()
     _check_built_model(model_dir, cfg)
     cfg.model.hf_path = str(model_dir)
     cfg.sft.data_path = str(task_dir / "sft.jsonl")
     cfg.data.train_path = str(task_dir / "train.jsonl")
-    cfg.data.eval = [{"path": str(task_dir / "eval.jsonl"), "name": "arith"}]
+    cfg.data.eval = [{"path": str(task_dir / "eval.jsonl"), "name": cfg.quickstart.task}]
 
     # 2. HF -> Megatron (torch_dist at this TP/PP), 3. SFT warm start
     from megarl.trainer.sft import sft
@@ -135,6 +135,9 @@ def worker(argv: list[str]) -> None:
 
     cfg.model.load = sft_out["checkpoint"]
     cfg.trainer.val_before_train = True
+    if task.before_rl is not None:
+        with phase("before_rl"):
+            task.before_rl(cfg, run, sft_out)
     t_rl = time.perf_counter()
     with phase("rl"):
         result = train(cfg)
@@ -144,7 +147,9 @@ def worker(argv: list[str]) -> None:
     after = result["last_eval"].get("eval/accuracy", _logged_eval(run, cfg.trainer.total_steps))
     wall = time.perf_counter() - t0
     if rank0:
-        _print_table(cfg, sft_out, before, after, t_sft, t_rl, wall)
+        extra = [(k, result["first_eval"].get(k, _logged_eval(run, 0, k)),
+                  result["last_eval"].get(k, _logged_eval(run, cfg.trainer.total_steps, k))) for k in task.table_metrics]
+        _print_table(cfg, sft_out, before, after, t_sft, t_rl, wall, extra)
         print(f"quickstart: accuracy_before={before:.4f} accuracy_after={after:.4f} "
               f"wall_s={wall:.1f} run_dir={run}", flush=True)
     destroy_distributed()
@@ -188,8 +193,8 @@ def _write_once(path: Path, write) -> None:
     os.replace(partial, path)
 
 
-def _logged_eval(run: Path, step: int) -> float:
-    """The last eval/accuracy logged for `step` in run/metrics.jsonl (nan if none)."""
+def _logged_eval(run: Path, step: int, key: str = "eval/accuracy") -> float:
+    """The last `key` logged for `step` in run/metrics.jsonl (nan if none)."""
     value = float("nan")
     path = run / "metrics.jsonl"
     for line in path.read_text().splitlines() if path.exists() else []:
@@ -197,8 +202,8 @@ def _logged_eval(run: Path, step: int) -> float:
             row = json.loads(line)
         except json.JSONDecodeError:  # a line a kill cut short
             continue
-        if row.get("step") == step and row.get("eval/accuracy") is not None:
-            value = float(row["eval/accuracy"])
+        if row.get("step") == step and row.get(key) is not None:
+            value = float(row[key])
     return value
 
 
@@ -231,7 +236,7 @@ def _hf_to_megatron(hf_dir: Path, out: Path, dtype: str) -> None:
     save_megatron_checkpoint(model, out, hf_config, hf_source_dir=hf_dir)
 
 
-def _print_table(cfg, sft_out, before, after, t_sft, t_rl, wall) -> None:
+def _print_table(cfg, sft_out, before, after, t_sft, t_rl, wall, extra=()) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -246,6 +251,13 @@ def _print_table(cfg, sft_out, before, after, t_sft, t_rl, wall) -> None:
     t.add_row(f"RL ({cfg.algorithm.name})", str(cfg.trainer.total_steps), f"{t_rl:.1f}", f"{after:.3f}")
     t.add_row("total", "", f"{wall:.1f}", f"{after - before:+.3f}")
     Console().print(t)
+    if extra:  # the task's own eval metrics (its mechanism), before -> after RL
+        m = Table(title=f"task {cfg.quickstart.task}: eval metrics before -> after RL")
+        for col in ("metric", "before RL", "after RL"):
+            m.add_column(col, justify="left" if col == "metric" else "right")
+        for key, b, a in extra:
+            m.add_row(key, f"{b:.3f}", f"{a:.3f}")
+        Console().print(m)
 
 
 if __name__ == "__main__":

@@ -327,6 +327,9 @@ class SftConfig:
 
 @dataclass
 class QuickstartConfig:
+    task: str = doc_field(
+        "arith", "synthetic task megarl quickstart writes and trains on: a name registered in megarl.tasks "
+        "(module megarl.tasks.<task>), e.g. arith")
     family: Literal["qwen2", "qwen3_moe", "qwen2_moe"] = doc_field(
         "qwen2", "tiny model that megarl quickstart builds: dense Qwen2, or Qwen3-MoE / Qwen2-MoE (shared expert)")
     num_experts: int = doc_field(8, "experts per MoE layer of the tiny MoE model (MoE families only)")

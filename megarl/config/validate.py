@@ -7,6 +7,8 @@ Each collects every problem and raises one :class:`ConfigError` naming the dotte
 
 from __future__ import annotations
 
+import importlib.util
+
 import difflib
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -184,6 +186,8 @@ def validate_config(cfg: MegaRLConfig, where: Callable[[str], str] | None = None
         e.check(getattr(s, name) >= 1, f"sft.{name}", f"must be >= 1, got {getattr(s, name)}")
     e.check(s.lr > 0, "sft.lr", f"must be > 0, got {s.lr}")
     q = cfg.quickstart
+    e.check(importlib.util.find_spec(f"megarl.tasks.{q.task}") is not None if q.task.isidentifier() else False,
+            "quickstart.task", f"no task module megarl.tasks.{q.task}")
     if q.family != "qwen2":
         e.check(q.num_experts >= 2, "quickstart.num_experts", f"an MoE family needs >= 2 experts, got {q.num_experts}")
         e.check(1 <= q.moe_topk <= q.num_experts, "quickstart.moe_topk",

@@ -28,6 +28,8 @@ import random
 import re
 from pathlib import Path
 
+from megarl.tasks import QUICKSTART_TASKS, QuickstartTask
+
 from megarl.data.templates import apply_template
 
 DATA_SOURCE = "arith"
@@ -106,6 +108,14 @@ def write_task_files(out_dir: str | Path, n_sft: int, n_train: int, n_eval: int,
               "train": _unique_pairs(rng, digits, n_train, taken),
               "sft": _unique_pairs(rng, digits, n_sft, taken)}
     return write_splits(out, splits)
+
+
+def write_quickstart_files(out_dir: Path, cfg) -> None:
+    """The quickstart's split sizes (12000 SFT, 4000 train, 200 eval) at the run's seed."""
+    write_task_files(out_dir, n_sft=12000, n_train=4000, n_eval=200, seed=cfg.trainer.seed)
+
+
+QUICKSTART_TASKS.register("arith")(QuickstartTask(write_files=write_quickstart_files))
 
 
 def write_splits(out: Path, splits: dict[str, list[tuple[int, int]]]) -> dict[str, Path]:

@@ -8,8 +8,8 @@ split (SFT, train, eval) follows the mix; files and row fields are those of
 `arith.write_task_files`. (A 3/6/10-digit mix left the quickstart's tiny model at 8% greedy accuracy
 after SFT and RL did not move it: each extra operand width costs the model digit-position reading.)
 
-The quickstart writes its task into <run_dir>/task unless that directory already holds one, so the
-long-tail runs seed it first: `python -m megarl.tasks.arith_longtail <run_dir>/task`.
+The quickstart task `arith_longtail` (`quickstart.task: arith_longtail`, as configs/quickstart/tppo.yaml
+sets) writes it into <run_dir>/task; `python -m megarl.tasks.arith_longtail DIR` writes it anywhere.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import argparse
 import random
 from pathlib import Path
 
+from megarl.tasks import QUICKSTART_TASKS, QuickstartTask
 from megarl.tasks.arith import sample_operand, write_splits
 
 DIGIT_MIX = {3: 0.85, 8: 0.15}
@@ -51,6 +52,10 @@ def write_longtail_task_files(out_dir: str | Path, n_sft: int = 12000, n_train: 
     splits = {split: draw_problems(rng, n, mix, taken) for split, n in (("eval", n_eval), ("train", n_train),
                                                                        ("sft", n_sft))}
     return write_splits(out, splits)
+
+
+QUICKSTART_TASKS.register("arith_longtail")(QuickstartTask(
+    write_files=lambda out_dir, cfg: write_longtail_task_files(out_dir, seed=cfg.trainer.seed)))
 
 
 if __name__ == "__main__":

@@ -541,6 +541,19 @@ def obs_quickstart_model(ctx, cfg):
             "logits_abs_sum": round(float(logits.abs().sum()), 3)}
 
 
+def obs_quickstart_task(ctx, cfg):
+    """The files the quickstart task writes: their names and the first train row's problem."""
+    import json
+
+    from megarl.tasks import quickstart_task
+
+    out = ctx.root / f"task_{cfg.quickstart.task}"
+    if not out.exists():
+        quickstart_task(cfg.quickstart.task).write_files(out, cfg)
+    rows = (out / "train.jsonl").read_text().splitlines()
+    return {"files": sorted(p.name for p in out.iterdir()), "first": json.loads(rows[0]).get("problem")}
+
+
 # --------------------------------------------------------------------------- witnesses
 def obs_async_save(ctx, cfg):
     """What `latest` and step_1 hold right after RunComponents.save returns, and after finalising."""
@@ -707,6 +720,7 @@ WITNESSES = {
     "sft.lr_warmup_steps": W("3", obs_sft),
     "sft.batch_size": W("2", obs_sft),
     "sft.max_len": W("30", obs_sft),
+    "quickstart.task": W("arith_longtail", obs_quickstart_task),
     "quickstart.family": W("qwen2_moe", obs_quickstart_model),
     "quickstart.num_experts": W("4", obs_quickstart_model, "quickstart.family=qwen3_moe"),
     "quickstart.moe_topk": W("4", obs_quickstart_model, "quickstart.family=qwen2_moe"),
