@@ -130,6 +130,10 @@ def worker(argv: list[str]) -> None:
             dist.barrier()
     t_sft = time.perf_counter() - t_sft
 
+    if cfg.quickstart.critic_sft_steps:  # the critic's initial backbone: the policy SFT continued
+        with phase("sft"):
+            cfg.critic.init_from = _critic_sft(run, cfg, sft_out)
+
     # 4. RL from the SFT checkpoint, evaluating before and after
     from megarl.trainer.loop import train
 
@@ -156,6 +160,32 @@ def worker(argv: list[str]) -> None:
 
 
 SFT_DONE = "sft_done.json"  # written after the SFT checkpoint is complete
+
+
+def _critic_sft(run: Path, cfg, sft_out: dict) -> str:
+    """quickstart.critic_sft_steps more SFT steps from the policy's SFT checkpoint, saved to
+    <run>/sft_critic (reused when complete with the same settings); returns the checkpoint."""
+    import torch.distributed as dist
+
+    from megarl.trainer.sft import sft
+
+    path, steps = run / "sft_critic", cfg.quickstart.critic_sft_steps
+    settings = {**_sft_settings(cfg), "from": sft_out["checkpoint"], "critic_sft_steps": steps}
+    done = path / SFT_DONE
+    if done.exists() and json.loads(done.read_text()).get("sft") == settings:
+        return json.loads(done.read_text())["checkpoint"]
+    if dist.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    dist.barrier()
+    scfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, load=sft_out["checkpoint"]),
+                               trainer=dataclasses.replace(cfg.trainer, run_dir=str(run / "sft_critic_log")))
+    out = sft(scfg, max_steps=steps, save_to=str(path))
+    if dist.get_rank() == 0:
+        tmp = path / f".{SFT_DONE}.tmp"
+        tmp.write_text(json.dumps({**out, "sft": settings}))
+        os.replace(tmp, done)
+    dist.barrier()
+    return out["checkpoint"]
 
 
 def tiny_model_spec(cfg):

@@ -177,6 +177,40 @@ class RolloutConfig:
     )
 
 
+PAG_VERIFY_INSTRUCTION = (  # the released PAG code's verifier turn (ALGORITHMS.md §8)
+    "Check the math solution step-by-step. If you find a mistake: state the wrong step, explain why it's wrong, "
+    "and end your response with 'The answer is wrong'. If all steps are correct, end your response with "
+    "'The answer is correct'."
+)
+PAG_REVISE_INSTRUCTION = (
+    "You indicated that your previous answer was wrong. Please provide the correct solution to the math problem."
+)
+
+
+@dataclass
+class PagConfig:
+    """PAG, Policy as Generative Verifier (ALGORITHMS.md §8; megarl/rollout/multi_turn.py, megarl/trainer/pag.py)."""
+
+    enable: bool = doc_field(
+        False, "multi-turn PAG rollouts: solution, self-verification, revision only on 'The answer is wrong'; "
+        "per-turn rewards, turn-independent GAE, RoleAdvNorm (needs algorithm.advantage=gae)")
+    max_policy_turns: int = doc_field(2, "T_max: policy (solution) turns per trajectory, the first attempt included (paper 2)")
+    alpha: float = doc_field(1.0, "revision bonus alpha * (R_y(y_t) - R_y(y_t-1)) on revision turns (paper 1)")
+    verify_instruction: str = doc_field(
+        PAG_VERIFY_INSTRUCTION, "text appended (template tokens, no loss) before each verification turn; default "
+        "the paper's. Plain text: a chat model's turn markers belong in it")
+    revise_instruction: str = doc_field(
+        PAG_REVISE_INSTRUCTION, "text appended (template tokens, no loss) before each revision turn; default the paper's")
+    answer_tail_chars: int = doc_field(
+        300, "a policy turn's answer is checked on its last this many characters (the released code: 300)")
+    turn_independent: bool = doc_field(
+        True, "turn-independent GAE: no value or advantage crosses a turn boundary (false: one GAE over the whole "
+        "trajectory, the paper's ablation)")
+    role_adv_norm: bool = doc_field(
+        True, "RoleAdvNorm: whiten advantages separately over policy-turn and verifier-turn tokens "
+        "(algorithm.whiten_advantages must be on); false = whitened together")
+
+
 @dataclass
 class AlgorithmConfig:
     name: str = doc_field("grpo", "informational recipe name (dapo, vapo, ppo, ...)")
@@ -260,6 +294,7 @@ class AlgorithmConfig:
         "schedule start at the next step (checkpointed). null = always value_pretrain_steps steps")
     ppo_epochs: int = doc_field(1, "passes over each rollout batch")
     mini_batch_size: int = doc_field(512, "samples per optimizer step")
+    pag: PagConfig = doc_field(PagConfig(), "PAG multi-turn self-verification (ALGORITHMS.md §8)")
 
 
 @dataclass
@@ -284,7 +319,9 @@ class OptimConfig:
 @dataclass
 class CriticConfig(OptimConfig):
     enable: bool = doc_field(False, "train a critic (required by gae / egae)")
-    init_from: str = doc_field("actor", "'actor' (copy the actor's backbone + new value head) or a checkpoint path")
+    init_from: str = doc_field(
+        "actor", "'actor' (copy the actor's backbone + new value head), a critic checkpoint path (value head "
+        "included) or a policy checkpoint path (its backbone + new value head)")
     lr: float = doc_field(2e-6, "peak learning rate")
 
 
@@ -337,6 +374,31 @@ class QuickstartConfig:
     moe_intermediate: int = doc_field(
         192, "FFN size of each expert (and of qwen2_moe's shared expert); dense intermediate 384 / moe_topk = "
         "the dense model's MLP FLOPs per token")
+    critic_sft_steps: int = doc_field(
+        0, "with a critic: SFT steps more than the policy's warm start for the critic's initial backbone "
+        "(continued from the policy's SFT checkpoint into <run_dir>/sft_critic, then critic.init_from); "
+        "0 = the critic starts from the actor")
+
+
+@dataclass
+class PrmConfig:
+    """Code PRM (ALGORITHMS.md §10; megarl.algorithms.prm, megarl.trainer.prm)."""
+
+    path: str | None = doc_field(
+        None, "PRM checkpoint dir (a critic-architecture torch_dist checkpoint); the code_lines quickstart "
+        "labels and trains one there before RL when it is missing")
+    dense_reward: bool = doc_field(
+        False, "add lambda * PRM(x, y<=line j) / n_lines on the last token of every line j to the outcome reward "
+        "([NS->C] equation; gae/egae only)")
+    lambda_fail: float = doc_field(0.25, "dense-reward lambda when the final code fails the tests (paper 0.25)")
+    lambda_pass: float = doc_field(0.025, "dense-reward lambda when the final code passes the tests (paper 0.025)")
+    init_critic: bool = doc_field(
+        False, "initialise the critic from the PRM checkpoint (backbone + scalar head copied; [NS->C])")
+    label_k: int = doc_field(20, "labelling: completions sampled per response prefix; a prefix is positive if any passes (paper 20)")
+    label_prompts: int = doc_field(64, "labelling: training prompts (the first ones) the policy answers")
+    label_samples: int = doc_field(4, "labelling: policy responses per prompt")
+    train_steps: int = doc_field(100, "PRM training steps (MSE at line ends; optimizer settings of the critic section)")
+    batch_size: int = doc_field(32, "labelled responses per PRM training step")
 
 
 def default_reward() -> dict[str, Any]:
@@ -359,3 +421,4 @@ class MegaRLConfig:
     eval: EvalConfig = doc_field(EvalConfig(), "evaluation sampling")
     sft: SftConfig = doc_field(SftConfig(), "supervised fine-tuning (megarl sft)")
     quickstart: QuickstartConfig = doc_field(QuickstartConfig(), "the tiny model of megarl quickstart")
+    prm: PrmConfig = doc_field(PrmConfig(), "code process reward model: dense line rewards, critic init")

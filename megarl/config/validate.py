@@ -150,6 +150,8 @@ def validate_config(cfg: MegaRLConfig, where: Callable[[str], str] | None = None
             f"must divide the rollout batch rollout.prompts_per_step * rollout.n_samples_per_prompt = {batch}, got {a.mini_batch_size}")
 
     seq_max = d.max_prompt_len + r.max_new_tokens
+    if a.pag.enable:
+        seq_max = _check_pag(e, cfg)
     for role in ("actor", "critic"):
         o = getattr(cfg, role)
         if role == "critic" and not cfg.critic.enable:
@@ -164,7 +166,7 @@ def validate_config(cfg: MegaRLConfig, where: Callable[[str], str] | None = None
         e.check(o.adam_eps > 0, f"{role}.adam_eps", f"must be > 0, got {o.adam_eps}")
         e.check(o.clip_grad >= 0, f"{role}.clip_grad", f"must be >= 0, got {o.clip_grad}")
         e.check(o.max_tokens_per_microbatch >= seq_max, f"{role}.max_tokens_per_microbatch",
-                f"must hold one full sample: >= data.max_prompt_len + rollout.max_new_tokens = {seq_max}, got {o.max_tokens_per_microbatch}")
+                f"must hold one full sample: >= data.max_prompt_len + rollout.max_new_tokens = {seq_max} (PAG: all turns), got {o.max_tokens_per_microbatch}")
         e.check(o.max_tokens_per_microbatch % p.cp == 0, f"{role}.max_tokens_per_microbatch", f"must be divisible by parallel.cp={p.cp}")
         e.check(not o.offload_optimizer or o.use_distributed_optimizer, f"{role}.offload_optimizer",
                 f"megatron offloads only the (precision-aware) distributed optimizer: set {role}.use_distributed_optimizer=true")
@@ -193,7 +195,47 @@ def validate_config(cfg: MegaRLConfig, where: Callable[[str], str] | None = None
         e.check(1 <= q.moe_topk <= q.num_experts, "quickstart.moe_topk",
                 f"must be in 1..quickstart.num_experts ({q.num_experts}), got {q.moe_topk}")
         e.check(q.moe_intermediate >= 1, "quickstart.moe_intermediate", f"must be >= 1, got {q.moe_intermediate}")
+    e.check(q.critic_sft_steps >= 0, "quickstart.critic_sft_steps", f"must be >= 0, got {q.critic_sft_steps}")
+    e.check(q.critic_sft_steps == 0 or cfg.critic.enable, "quickstart.critic_sft_steps", "needs critic.enable=true")
+    _check_prm(e, cfg)
     e.raise_if_any()
+
+
+def _check_prm(e: _Errors, cfg: MegaRLConfig) -> None:
+    """Code PRM (ALGORITHMS.md §10): dense line rewards need a critic estimator; a PRM needs a path."""
+    pr = cfg.prm
+    uses = pr.dense_reward or pr.init_critic
+    e.check(not uses or bool(pr.path), "prm.path",
+            "prm.dense_reward / prm.init_critic need the PRM checkpoint dir (the code_lines quickstart trains one there)")
+    e.check(not pr.dense_reward or cfg.algorithm.advantage in CRITIC_ADVANTAGES, "prm.dense_reward",
+            f"dense line rewards need a per-token estimator: algorithm.advantage gae or egae, got {cfg.algorithm.advantage!r}")
+    e.check(not pr.init_critic or cfg.critic.enable, "prm.init_critic", "needs critic.enable=true")
+    e.check(not pr.init_critic or (cfg.model.critic_load is None and cfg.critic.init_from in ("actor", "")),
+            "prm.init_critic", "conflicts with model.critic_load / a critic.init_from path: the critic starts from one checkpoint")
+    for name in ("lambda_fail", "lambda_pass"):
+        e.check(getattr(pr, name) >= 0, f"prm.{name}", f"must be >= 0, got {getattr(pr, name)}")
+    for name in ("label_k", "label_prompts", "label_samples", "train_steps", "batch_size"):
+        e.check(getattr(pr, name) >= 1, f"prm.{name}", f"must be >= 1, got {getattr(pr, name)}")
+
+
+def _check_pag(e: _Errors, cfg: MegaRLConfig) -> int:
+    """PAG (algorithm.pag.enable): a critic estimator, no windows / ReMax; returns the longest
+    sequence: the prompt, T_max policy turns, T_max - 1 verifications (each up to
+    rollout.max_new_tokens) and the instructions (at most one token per UTF-8 byte)."""
+    a, g = cfg.algorithm, cfg.algorithm.pag
+    e.check(a.advantage == "gae", "algorithm.advantage",
+            f"algorithm.pag needs the critic estimator gae (turn-independent GAE), got {a.advantage!r}")
+    e.check(cfg.rollout.window_tokens is None, "rollout.window_tokens", "T-PPO windows do not apply to PAG rollouts")
+    e.check(g.max_policy_turns >= 1, "algorithm.pag.max_policy_turns", f"must be >= 1, got {g.max_policy_turns}")
+    e.check(g.alpha >= 0, "algorithm.pag.alpha", f"must be >= 0, got {g.alpha}")
+    e.check(g.answer_tail_chars >= 1, "algorithm.pag.answer_tail_chars", f"must be >= 1, got {g.answer_tail_chars}")
+    for name in ("verify_instruction", "revise_instruction"):
+        e.check(bool(getattr(g, name)), f"algorithm.pag.{name}", "must be a non-empty text")
+    e.check(not g.role_adv_norm or a.whiten_advantages, "algorithm.pag.role_adv_norm",
+            "RoleAdvNorm whitens advantages: it needs algorithm.whiten_advantages=true")
+    turns = max(g.max_policy_turns, 1)
+    templates = (turns - 1) * len((g.verify_instruction + g.revise_instruction).encode("utf-8"))
+    return cfg.data.max_prompt_len + (2 * turns - 1) * cfg.rollout.max_new_tokens + templates
 
 
 def _check_windows(e: _Errors, cfg: MegaRLConfig) -> None:

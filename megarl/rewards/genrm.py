@@ -97,6 +97,28 @@ class JudgeConfig:
                 raise ValueError(f"JudgeConfig.{name} lacks the placeholders {missing}")
 
 
+def judge_config(options: dict | None, where: str = "judge") -> JudgeConfig:
+    """JudgeConfig from a mapping (e.g. reward.judge of a config); an error names the field."""
+    from dataclasses import fields as dc_fields
+
+    options = dict(options or {})
+    known = {f.name for f in dc_fields(JudgeConfig)}
+    unknown = sorted(set(options) - known - {"exact"})
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {unknown} (known: {sorted(known | {'exact'})})")
+    options.pop("exact", None)
+    for name in ("pair_labels", "point_labels"):
+        if name in options:
+            labels = options[name]
+            if not isinstance(labels, (list, tuple)) or len(labels) != 2 or not all(isinstance(x, str) for x in labels):
+                raise ValueError(f"{where}.{name} must be two strings, got {labels!r}")
+            options[name] = tuple(labels)
+    try:
+        return JudgeConfig(**options)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
 @dataclass
 class LabelProb:
     """P(first label) over the valid verdicts of one judge prompt (None if none was valid)."""
@@ -162,12 +184,8 @@ class GenerativeJudge:
     def pairwise(self, items: Sequence[tuple[str, str, str, str | None]]) -> list[JudgeResult | None]:
         """items: (prompt, policy response, anchor response, gold or None) -> score per item,
         None where either order produced no valid verdict."""
-        texts = []
-        for prompt, policy, anchor, gold in items:
-            for a, b in ((policy, anchor), (anchor, policy)):
-                texts.append(render(self.cfg.pairwise_template, prompt=prompt,
-                                    response_a=self._clip(a), response_b=self._clip(b),
-                                    gold_block=self._gold_block(gold)))
+        texts = [self._pairwise_text(prompt, a, b, gold) for prompt, policy, anchor, gold in items
+                 for a, b in ((policy, anchor), (anchor, policy))]
         probs = self.label_probs(texts, self.cfg.pair_labels)
         out = []
         for i in range(len(items)):
@@ -182,6 +200,15 @@ class GenerativeJudge:
                         gold_block=self._gold_block(g)) for p, r, g in items]
         return [None if lp.p is None else JudgeResult(lp.p, [lp.p])
                 for lp in self.label_probs(texts, self.cfg.point_labels)]
+
+    def pairwise_input_text(self, prompt: str, response_a: str, response_b: str, gold: str | None = None) -> str:
+        """The text whose next token is the verdict in direct mode (chat-rendered judge prompt +
+        verdict prefix): what a judge is trained on (megarl.trainer.genrm_train)."""
+        return self._render_chat(self._pairwise_text(prompt, response_a, response_b, gold)) + self.cfg.verdict_prefix
+
+    def _pairwise_text(self, prompt: str, a: str, b: str, gold: str | None) -> str:
+        return render(self.cfg.pairwise_template, prompt=prompt, response_a=self._clip(a),
+                      response_b=self._clip(b), gold_block=self._gold_block(gold))
 
     # ---------------------------------------------------------------- probabilities
     def label_probs(self, texts: list[str], labels: tuple[str, str]) -> list[LabelProb]:

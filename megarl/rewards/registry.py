@@ -104,7 +104,7 @@ def _judge(params: dict, resources: dict, name: str):
     return resources[key]
 
 
-def _genrm_batch(judge, require_anchor: bool) -> BatchFn:
+def _genrm_batch(judge, require_anchor: bool, centre: float = 0.0) -> BatchFn:
     def run(batch: list[RewardInput]) -> list[RewardOutput | Exception]:
         out: list[RewardOutput | Exception | None] = [None] * len(batch)
         pair_idx, pair_items, point_idx, point_items = [], [], [], []
@@ -125,7 +125,8 @@ def _genrm_batch(judge, require_anchor: bool) -> BatchFn:
             if point_items else []
         for i, res, kind in judged:
             out[i] = (RewardError(f"GenRM ({kind}): the judge gave no valid verdict") if res is None
-                      else RewardOutput(res.score, res.score > 0.5, {"kind": kind, "probs": res.probs}))
+                      else RewardOutput(res.score - centre, res.score > 0.5,
+                                        {"kind": kind, "probs": res.probs, "win_prob": res.score}))
         return out
     return run
 
@@ -139,6 +140,13 @@ def _genrm(params: dict, resources: dict) -> BuiltReward:
 
 @register_reward("pairwise_genrm")
 def _pairwise_genrm(params: dict, resources: dict) -> BuiltReward:
-    """Pairwise-RL: win probability against the anchor, both orders (ALGORITHMS.md §6)."""
+    """Pairwise-RL: win probability r against the anchor, both orders (ALGORITHMS.md §6), minus
+    `centre` (param, default 0.0 = raw r in [0, 1]). [NS→C] the labelled common choice for pairwise
+    PPO is the terminal reward r − 0.5 (centre: 0.5; configs/algorithms/pairwise_rl.yaml), which the
+    trainer places on the last response token before GAE: parity with the anchor scores 0, and
+    so does a failed judgement (failure score 0.5 − centre). `acc` is r > 0.5 either way."""
+    centre = params.pop("centre", 0.0)
+    if isinstance(centre, bool) or not isinstance(centre, (int, float)) or not 0.0 <= centre <= 1.0:
+        raise ValueError(f"reward 'pairwise_genrm' params.centre must be a number in [0, 1], got {centre!r}")
     judge = _judge(params, resources, "pairwise_genrm")
-    return BuiltReward(failure_score=0.5, batch_fn=_genrm_batch(judge, require_anchor=True))
+    return BuiltReward(failure_score=0.5 - centre, batch_fn=_genrm_batch(judge, require_anchor=True, centre=centre))

@@ -46,6 +46,14 @@ class Trajectory:
     # MoE routing replay: experts the engine's routers selected, [prompt + response tokens, layers,
     # top_k] int16 (megarl.rollout.torch_moe.sample_routing); None when not recorded
     routed_experts: torch.Tensor | None = None
+    # PAG multi-turn trajectory (megarl/rollout/multi_turn.py); None for single-turn samples.
+    # template_mask: per response token 1 = appended instruction (no loss, no value), 0 = generated;
+    # per turn k: turn_ends (response index of its last token), turn_is_policy (solution / verifier),
+    # turn_outcome (policy turn: answer correct 1 / 0; verifier turn: verdict 1 correct, 0 wrong, -1 missing)
+    template_mask: list[int] | None = None
+    turn_ends: list[int] | None = None
+    turn_is_policy: list[bool] | None = None
+    turn_outcome: list[int] | None = None
 
     @property
     def length(self) -> int:
@@ -90,6 +98,12 @@ class StepBatch:
     window_start: torch.Tensor | None = None  # [B] int64 first response index of the latest window (T-PPO)
     start_version: torch.Tensor | None = None  # [B] int64 policy version of the first window (T-PPO)
     is_weights: torch.Tensor | None = None  # [B, T] rollout IS weights (algorithm.rollout_is)
+    # PAG (Trajectory's fields of the same names): [B, T] 1.0 on template tokens; per-sample turn lists
+    template_mask: torch.Tensor | None = None
+    turn_ends: list[list[int]] | None = None
+    turn_is_policy: list[list[bool]] | None = None
+    turn_outcome: list[list[int]] | None = None
+    prm_rewards: torch.Tensor | None = None  # [B, T] code PRM dense line rewards (prm.dense_reward)
 
     @classmethod
     def from_trajectories(cls, trajs: list[Trajectory]) -> "StepBatch":
@@ -114,6 +128,7 @@ class StepBatch:
             start_version=torch.tensor([int(t.first_version) for t in trajs], dtype=torch.int64),
             routed_experts=([t.routed_experts for t in trajs]
                             if trajs and all(t.routed_experts is not None for t in trajs) else None),
+            **_turn_fields(trajs, T),
         )
 
     def __len__(self) -> int:
@@ -247,6 +262,18 @@ class MicroBatch:
 
 def padded_length(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+def _turn_fields(trajs: list[Trajectory], T: int) -> dict:
+    """StepBatch's PAG fields when every trajectory has a turn layout (multi-turn), else none."""
+    if not trajs or any(t.turn_ends is None for t in trajs):
+        return {}
+    template = torch.zeros(len(trajs), T)
+    for i, t in enumerate(trajs):
+        if t.template_mask:
+            template[i, : len(t.template_mask)] = torch.tensor(t.template_mask, dtype=torch.float32)
+    return dict(template_mask=template, turn_ends=[list(t.turn_ends) for t in trajs],
+                turn_is_policy=[list(t.turn_is_policy) for t in trajs], turn_outcome=[list(t.turn_outcome) for t in trajs])
 
 
 def build_microbatch(batch: StepBatch, rows: list[int], pad_multiple: int = 1, chunk_tokens: int = 4096) -> MicroBatch:

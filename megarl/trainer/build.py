@@ -105,10 +105,20 @@ def build_actor(cfg, hf_config, optim=True) -> TrainModel:
 
 
 def build_critic(cfg, hf_config, actor: TrainModel) -> TrainModel:
-    """Same architecture with a scalar value head: loaded from `model.critic_load` (or a path in
-    critic.init_from), else initialised from the actor's current backbone (same layout, copied
-    in memory) with the value head as built."""
+    """Same architecture with a scalar value head: loaded from `model.critic_load` (or a critic
+    checkpoint path in critic.init_from), else initialised from a backbone with the value head as
+    built: the actor's current one (critic.init_from=actor, copied in memory), or that of the
+    policy-architecture checkpoint critic.init_from names (e.g. a longer-trained SFT model, as
+    the reward model a value model is usually initialised from: VC-PPO, ALGORITHMS.md §3)."""
+    from megarl.weights.dist_ckpt import read_checkpoint_meta
+
     load = cfg.model.critic_load or (None if cfg.critic.init_from in ("actor", "") else cfg.critic.init_from)
+    if cfg.prm.init_critic:  # code PRM: the critic starts as a copy of the PRM (backbone + head; [NS->C])
+        load = _prm_checkpoint(cfg)
+        log.info("critic initialised from the PRM checkpoint %s", load)
+    backbone = actor
+    if load and not read_checkpoint_meta(load).get("value_head"):  # a policy checkpoint: its backbone only
+        backbone, load = _train_model(cfg, hf_config, None, load), None
     if load:
         return _train_model(cfg, hf_config, cfg.critic, load, value_head=True)
     critic = TrainModel(hf_config, cfg.critic, value_head=True, dtype=cfg.model.dtype,
@@ -117,9 +127,26 @@ def build_critic(cfg, hf_config, actor: TrainModel) -> TrainModel:
                         model_options=model_options(cfg.model, cfg.parallel),
                         logprob_chunk_tokens=cfg.model.logprob_chunk_tokens)
     critic.hf_source_dir = cfg.model.hf_path
-    copied = critic.copy_backbone_from(actor)
-    log.info("critic initialised from the actor backbone (%d tensors)", copied)
+    copied = critic.copy_backbone_from(backbone)
+    log.info("critic initialised from the %s backbone (%d tensors)",
+             "actor" if backbone is actor else cfg.critic.init_from, copied)
     return critic
+
+
+def _prm_checkpoint(cfg) -> str:
+    from megarl.weights.dist_ckpt import read_checkpoint_meta
+
+    path = cfg.prm.path
+    if not path or not Path(path).is_dir():
+        raise FileNotFoundError(f"prm.path: {path!r} is not a PRM checkpoint dir (megarl.trainer.prm.ensure_prm writes one)")
+    if not read_checkpoint_meta(path).get("value_head"):
+        raise ValueError(f"prm.path: {path} is not a critic-architecture (value head) checkpoint")
+    return path
+
+
+def build_prm(cfg, hf_config) -> TrainModel:
+    """The code PRM for dense rewards: a forward-only value-head model loaded from prm.path."""
+    return _train_model(cfg, hf_config, None, _prm_checkpoint(cfg), value_head=True)
 
 
 def build_engine(cfg, hf_config, tokenizer):
@@ -170,28 +197,43 @@ JUDGE_SOURCES = ("genrm", "pairwise_genrm")
 def build_rewards(cfg):
     """The reward manager; with a GenRM source, also its judge (resource "judge"): a generative
     judge on a builtin engine loaded with `reward.judge_path` (an HF model directory; default:
-    the policy's own model.hf_path, i.e. self-judging)."""
+    the policy's own model.hf_path, i.e. self-judging). `reward.judge` (a mapping) sets the
+    judge's JudgeConfig fields plus `exact` (see build_judge); `reward.judge_train` is read by
+    megarl.trainer.genrm_train only."""
     from megarl.rewards import RewardConfig, RewardManager
 
     reward = dict(cfg.reward)
     judge_path = reward.pop("judge_path", None)
+    judge_opts = reward.pop("judge", None)
+    reward.pop("judge_train", None)
     rcfg = RewardConfig.from_dict(reward)
     resources = {}
     if any(spec.fn in JUDGE_SOURCES for spec in rcfg.sources.values()):
-        resources["judge"] = build_judge(judge_path or cfg.model.hf_path)
+        resources["judge"] = build_judge(judge_path or cfg.model.hf_path, judge_opts)
     return RewardManager(rcfg, resources)
 
 
-def build_judge(hf_path: str):
-    """A GenerativeJudge on a builtin engine holding the HF checkpoint at `hf_path`."""
+def build_judge(hf_path: str, options: dict | None = None):
+    """A GenerativeJudge on a builtin engine holding the HF checkpoint at `hf_path`.
+    `options` (reward.judge): JudgeConfig fields, and `exact: true` for exact verdict
+    probabilities from an HFNextTokenScorer over the same checkpoint (else verdicts are sampled)."""
     from megarl.parallel.distributed import device
-    from megarl.rewards.genrm import GenerativeJudge
+    from megarl.rewards.genrm import GenerativeJudge, HFNextTokenScorer, judge_config
     from megarl.rollout.builtin import BuiltinEngine
 
     if not hf_path or not Path(hf_path).is_dir():
         raise FileNotFoundError(f"reward.judge_path: {hf_path!r} is not an HF model directory")
+    options = dict(options or {})
+    exact = options.pop("exact", False)
+    jcfg = judge_config(options, "reward.judge")
     engine = BuiltinEngine.from_pretrained(hf_path, device=device())
-    return GenerativeJudge(engine, engine.tokenizer)
+    scorer = None
+    if exact:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(hf_path, dtype="float32").to(device()).eval()
+        scorer = HFNextTokenScorer(model, pad_id=engine.tokenizer.pad_token_id or 0)
+    return GenerativeJudge(engine, engine.tokenizer, jcfg, scorer)
 
 
 @dataclass

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from megarl.parallel.distributed import phase
 from megarl.rollout import SamplingParams
-from megarl.trainer import build, checkpoint
+from megarl.trainer import build, checkpoint, pag
 from megarl.trainer.metrics import MetricsLogger, PhaseTimer
 from megarl.trainer.rollout import RolloutWorker
 from megarl.trainer.state import TrainerState
@@ -36,10 +36,12 @@ class RunComponents:
     dp_group: object
     dp_rank: int
     dp_size: int
+    prm: object | None = None  # megarl.trainer.prm.PrmScorer with prm.dense_reward
 
     @property
     def train_models(self) -> list[TrainModel]:
-        return [m for m in (self.actor, self.critic, self.ref) if m is not None]
+        prm = self.prm.model if self.prm is not None else None
+        return [m for m in (self.actor, self.critic, self.ref, prm) if m is not None]
 
     @contextlib.contextmanager
     def training_state_off_gpu(self):
@@ -103,7 +105,9 @@ class RunComponents:
                                           max_new_tokens=s["max_new_tokens"], seed=cfg.trainer.seed + step)
                 trajs = self.worker.generate(ev.items, self.data.encode(ev.items), sampling)
                 out[f"eval/{ev.name}/accuracy"] = sum(t.acc for t in trajs) / max(len(trajs), 1)
+                out[f"eval/{ev.name}/score"] = sum(t.score for t in trajs) / max(len(trajs), 1)  # mean reward
                 out[f"eval/{ev.name}/response_length"] = sum(len(t.response_ids) for t in trajs) / max(len(trajs), 1)
+                out.update(pag.eval_metrics(trajs, f"eval/{ev.name}"))  # PAG: first / verify / final accuracy
         if out:
             out["eval/accuracy"] = sum(v for k, v in out.items() if k.endswith("/accuracy")) / len(self.data.evals)
             self.logger.log(step, out)
@@ -148,5 +152,13 @@ def build_components(cfg) -> RunComponents:
         cfg=cfg, hf_config=hf_config, actor=actor, critic=critic, ref=ref, engine=engine, worker=worker,
         data=build.build_data(cfg, tokenizer), logger=MetricsLogger(cfg.trainer.run_dir, cfg.trainer.tensorboard),
         timer=PhaseTimer(), dp_group=ps.get_data_parallel_group(), dp_rank=ps.get_data_parallel_rank(),
-        dp_size=ps.get_data_parallel_world_size(),
+        dp_size=ps.get_data_parallel_world_size(), prm=_prm_scorer(cfg, hf_config, tokenizer),
     )
+
+
+def _prm_scorer(cfg, hf_config, tokenizer):
+    if not cfg.prm.dense_reward:
+        return None
+    from megarl.trainer.prm import PrmScorer
+
+    return PrmScorer(cfg, hf_config, tokenizer)

@@ -54,6 +54,8 @@ def train(cfg) -> dict:
             metrics.update(run.actor.routing_metrics)  # MoE: engine/trainer routing agreement of this pass
             if run.ref is not None:
                 local.ref_logprobs = ppo.compute_log_probs(run.ref, local, cfg.rollout.temperature)
+            if run.prm is not None:  # code PRM: dense line rewards (megarl.trainer.prm)
+                local.prm_rewards = run.prm.dense_rewards(local)
             if run.critic is not None:
                 local.values = ppo.compute_values(run.critic, local)
             metrics.update(ppo.rollout_correction(local, cfg, run.dp_group))

@@ -18,6 +18,7 @@ from megarl import algorithms as A
 from megarl.data.packing import balance_across_dp
 from megarl.parallel.distributed import device
 from megarl.plugins import is_dotted_path, resolve
+from megarl.trainer import pag
 from megarl.trainer.batch import MicroBatch, StepBatch
 
 CRITIC_ADVANTAGES = ("gae", "egae")
@@ -90,6 +91,9 @@ def set_masks(batch: StepBatch, cfg) -> None:
     window_start = batch.window_start if batch.window_start is not None else torch.zeros(len(batch), dtype=torch.long)
     policy, batch.value_mask = A.tppo_masks(batch.response_mask, window_start, unfinished, al.retrain_earlier_windows)
     batch.loss_mask = policy * (~cut).float().unsqueeze(1)
+    if batch.template_mask is not None:  # PAG: instruction tokens were appended, not generated
+        batch.loss_mask = batch.loss_mask * (1.0 - batch.template_mask)
+        batch.value_mask = batch.value_mask * (1.0 - batch.template_mask)
 
 
 # ---- prepare ----------------------------------------------------------------------------------
@@ -146,15 +150,24 @@ def kl_in_reward(cfg) -> bool:
 
 def token_rewards(batch: StepBatch, cfg, kl_coef: float, dp_group) -> tuple[torch.Tensor, dict[str, float]]:
     """Outcome score on the last response token; with KL-in-reward minus beta * KL per token, and
-    the batch's mean per-sample KL (verl's statistic, over all DP ranks) as `actor/reward_kl`."""
-    rewards = A.place_outcome_reward(batch.score, batch.response_mask)
+    the batch's mean per-sample KL (verl's statistic, over all DP ranks) as `actor/reward_kl`.
+    Code PRM (prm.dense_reward): plus batch.prm_rewards, the dense line rewards (megarl.trainer.prm),
+    their per-sample sum averaged over all DP ranks as `reward/prm_dense`."""
+    rewards = (pag.batch_turn_rewards(batch, cfg) if batch.turn_ends is not None  # PAG: one reward per turn
+               else A.place_outcome_reward(batch.score, batch.response_mask))
+    prm_metrics = {}
+    if batch.prm_rewards is not None:
+        rewards = rewards + batch.prm_rewards
+        s = _dp_all_reduce(torch.stack([batch.prm_rewards.sum().double(), torch.tensor(float(len(batch))).double()]),
+                           dp_group)
+        prm_metrics["reward/prm_dense"] = float(s[0] / s[1].clamp(min=1.0))
     if not kl_in_reward(cfg):
-        return rewards, {}
+        return rewards, prm_metrics
     rewards, current_kl = A.apply_kl_in_reward(rewards, batch.old_logprobs, batch.ref_logprobs,
                                                batch.response_mask, kl_coef, cfg.algorithm.kl_type)
     rows = (batch.response_mask.sum(-1) > 0).sum().double()
     s = _dp_all_reduce(torch.stack([current_kl.double() * rows, rows]), dp_group)
-    return rewards, {"actor/reward_kl": float(s[0] / s[1].clamp(min=1.0)), "actor/kl_coef": kl_coef}
+    return rewards, {"actor/reward_kl": float(s[0] / s[1].clamp(min=1.0)), "actor/kl_coef": kl_coef, **prm_metrics}
 
 
 def compute_advantages(batch: StepBatch, local: StepBatch, local_rows: list[int], cfg, dp_group,
@@ -178,6 +191,15 @@ def compute_advantages(batch: StepBatch, local: StepBatch, local_rows: list[int]
         adv, _ = estimator(inputs, params)
         local.advantages = _weighted(adv[torch.tensor(local_rows, dtype=torch.long)] * local.response_mask, local)
         local.returns = local.advantages
+        return metrics
+    if local.turn_ends is not None:  # PAG: GAE over generated tokens, per turn; RoleAdvNorm
+        gae_mask, turn_starts, role_ids = pag.advantage_layout(local, cfg)
+        inputs = A.AdvantageInputs(token_rewards=rewards, mask=gae_mask, values=local.values, turn_starts=turn_starts)
+        adv, returns = estimator(inputs, params)
+        if al.whiten_advantages:
+            adv = pag.whiten(adv, local.loss_mask, role_ids, cfg, lambda m: _dp_all_reduce(m, dp_group))
+        local.advantages = _weighted(adv * gae_mask, local)
+        local.returns = returns * gae_mask
         return metrics
     inputs = A.AdvantageInputs(token_rewards=rewards, mask=local.response_mask, values=local.values,
                                truncated=local.truncated)
@@ -228,6 +250,8 @@ def logprob_mismatch(batch: StepBatch, dp_group) -> dict[str, float]:
     windows): the engine/trainer numerical mismatch (diagnostic, ALGORITHMS §0). Earlier
     windows' tokens came from older weights; `rollout_correction` weighs those."""
     mask = batch.window_mask
+    if batch.template_mask is not None:  # PAG instruction tokens have no engine log-prob
+        mask = mask * (1.0 - batch.template_mask)
     d = (batch.rollout_logprobs - batch.old_logprobs).abs() * mask
     s = _dp_all_reduce(torch.stack([d.sum(), mask.sum()]).double(), dp_group)
     peak = _dp_all_reduce(d.max().reshape(1).double() if d.numel() else torch.zeros(1, dtype=torch.float64),

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from megarl.algorithms import overlong_penalty
 from megarl.data.sampler import shard_for_rank
 from megarl.rollout import Sample, SamplingParams
+from megarl.trainer import pag
 from megarl.trainer.batch import Trajectory
 
 log = logging.getLogger(__name__)
@@ -69,13 +70,19 @@ class RolloutWorker:
         local_prompts = shard_for_rank(encoded, replica, n_replicas)
         trajs: list[Trajectory] = []
         reward_metrics: dict[str, float] = {}
+        multi_turn = self.cfg.algorithm.pag.enable  # PAG: solution, verification, revision (megarl/trainer/pag.py)
         if local_items:
             seed = (sampling.seed or 0) * 1009 + replica
-            samples = self.engine.generate(local_prompts, SamplingParams(**{**sampling.__dict__, "seed": seed}))
+            local_sampling = SamplingParams(**{**sampling.__dict__, "seed": seed})
+            samples = (pag.generate_turns(self, local_prompts, local_sampling) if multi_turn
+                       else self.engine.generate(local_prompts, local_sampling))
             if rank % per_engine == 0:
-                trajs, reward_metrics = self._score(local_items, samples)
+                trajs, reward_metrics = (pag.score(self, local_items, samples) if multi_turn
+                                         else self._score(local_items, samples))
         gathered = all_gather_list(trajs)
         self.metrics = _sum_over_ranks(reward_metrics)
+        if multi_turn:
+            self.metrics.update(pag.rollout_metrics(gathered))
         if hasattr(self.engine, "kv_cache_bytes"):  # builtin engine: the largest KV cache of this call on any rank
             kv = self.engine.kv_cache_bytes if local_items else 0
             self.metrics["rollout/kv_cache_gb"] = max(all_gather_list([kv])) / 2**30

@@ -90,9 +90,28 @@ def main():
         "mse_later": float(err[:, 1:][m[:, 1:]].mean()),
         "returns_token0": held_out.returns[:, 0].tolist(), "scores": held_out.score.tolist(),
     }
+    res.update(critic_from_policy_checkpoint(cfg, hf_config, actor, Path(a.out).parent / "policy"))
     if dist.get_rank() == 0:
         Path(a.out).write_text(json.dumps(res))
     dist.barrier()
+
+
+def critic_from_policy_checkpoint(cfg, hf_config, actor, path: Path) -> dict:
+    """critic.init_from = a policy checkpoint (no value head): the critic's backbone equals that
+    checkpoint's weights, not the actor's current ones (moved after the save)."""
+    actor.save(str(path))
+    saved = {n: p.detach().clone() for n, p in actor.modules[0].named_parameters()}
+    with torch.no_grad():
+        for p in actor.modules[0].parameters():
+            p.add_(0.01)
+    cfg.critic.init_from = str(path)
+    critic = build.build_critic(cfg, hf_config, actor)
+    mine = dict(critic.modules[0].named_parameters())
+    shared = [n for n in saved if n in mine and not n.startswith("output_layer")]
+    return {"init_from_tensors": len(shared),
+            "init_from_max_diff_to_checkpoint": max(float((mine[n] - saved[n]).abs().max()) for n in shared),
+            "init_from_min_diff_to_actor": min(float((mine[n] - saved[n] - 0.01).abs().max()) for n in shared),
+            "init_from_has_value_head": mine["output_layer.weight"].shape[0] == 1}
 
 
 if __name__ == "__main__":

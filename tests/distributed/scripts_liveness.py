@@ -41,6 +41,30 @@ SHOWN_ELSEWHERE = {
     "trainer.resume": "tests/distributed/test_trainer.py::test_resume_matches_uninterrupted_run",
     "parallel.collective_timeout_s": "tests/distributed/test_lost_rank.py::"
                                      "test_a_lost_rank_ends_the_other_within_the_timeout_naming_the_phase",
+    "quickstart.critic_sft_steps": "tests/distributed/test_critic_learns.py::test_critic_backbone_from_a_policy_checkpoint "
+                                   "(the quickstart continues the policy's SFT for this many steps and sets critic.init_from "
+                                   "to that checkpoint; README 'The critic on the quickstart' measures its effect)",
+    "algorithm.pag.enable": "tests/unit/test_pag_trainer.py::test_worker_generates_multi_turn_trajectories_when_enabled "
+                            "(and tests/distributed/test_pag.py: the RL loop with PAG at TP=2)",
+    "algorithm.pag.max_policy_turns": "tests/unit/test_pag_trainer.py::test_worker_generates_multi_turn_trajectories_when_enabled "
+                                      "(max_policy_turns=1: the first attempt only)",
+    "algorithm.pag.alpha": "tests/unit/test_pag_trainer.py::test_score_checks_every_policy_turn_and_sums_the_turn_rewards",
+    "algorithm.pag.answer_tail_chars": "tests/unit/test_pag_trainer.py::test_score_checks_every_policy_turn_and_sums_the_turn_rewards",
+    **{f"algorithm.pag.{k}": "tests/unit/test_pag_trainer.py::test_instructions_come_from_the_config (the appended ids) "
+                             "and test_worker_generates_multi_turn_trajectories_when_enabled"
+       for k in ("verify_instruction", "revise_instruction")},
+    **{f"algorithm.pag.{k}": "tests/unit/test_pag_trainer.py::test_turn_independent_and_role_adv_norm_switches"
+       for k in ("turn_independent", "role_adv_norm")},
+    **{f"prm.{k}": "tests/distributed/test_prm.py::test_labels_come_from_binary_searches_with_k_completions_per_prefix "
+                   "(labelling needs a policy that writes lines: a short SFT first; counts follow these fields)"
+       for k in ("label_k", "label_prompts", "label_samples")},
+    **{f"prm.{k}": "tests/distributed/test_prm.py::test_prm_fits_its_labels (PRM training after labelling)"
+       for k in ("train_steps", "batch_size")},
+    **{f"prm.{k}": "tests/distributed/test_prm.py::test_critic_initialised_from_the_prm_starts_with_its_values"
+       for k in ("path", "init_critic")},
+    **{f"prm.{k}": "tests/distributed/test_prm.py::test_dense_rewards_sit_on_line_ends_with_lambda_over_n_lines "
+                   "(and tests/unit/test_prm.py::test_token_rewards_add_dense_line_rewards_to_the_eos_outcome)"
+       for k in ("dense_reward", "lambda_fail", "lambda_pass")},
     "algorithm.name": "tests/unit/test_config_recipes.py::test_every_preset_and_recipe_loads (a label, written to "
                       "run_dir/config.yaml; each preset's name is its file's)",
     **{f"data.{k}": "tests/unit/test_data_selection.py::test_build_data_schedules_by_the_data_first_sources_fields "

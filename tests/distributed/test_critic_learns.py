@@ -40,3 +40,10 @@ def test_value_does_not_see_the_token_it_scores(result):
     # token 0 decides the return, but its value (state before token 0) cannot know it: its error
     # stays near the return variance (1), where a critic reading one position late would reach ~0
     assert result["mse_token0"] > 0.6
+
+
+def test_critic_backbone_from_a_policy_checkpoint(result):
+    # critic.init_from = a policy checkpoint: its backbone is that checkpoint's, with a value head
+    assert result["init_from_tensors"] > 10 and result["init_from_has_value_head"]
+    assert result["init_from_max_diff_to_checkpoint"] == 0.0
+    assert result["init_from_min_diff_to_actor"] > 1e-3  # not the actor's current (moved) weights

@@ -25,7 +25,7 @@ def test_expected_files_are_shipped():
     assert names == {f"qwen2.5-32b/{a}.yaml" for a in ("dapo", "vapo", "ppo", "grpo")} | {
         f"qwen2.5-7b/{a}.yaml" for a in ("dapo", "vapo", "grpo")} | {
         f"{m}/{a}.yaml" for m in ("qwen3-30b-a3b", "qwen3-235b-a22b") for a in ("dapo", "vapo")}
-    assert {os.path.basename(p) for p in ALGORITHMS} == {f"{a}.yaml" for a in ("grpo", "dapo", "ppo", "vc_ppo", "vapo", "tppo")}
+    assert {os.path.basename(p) for p in ALGORITHMS} == {f"{a}.yaml" for a in ("grpo", "dapo", "ppo", "vc_ppo", "vapo", "tppo", "pag", "pairwise_rl", "code_prm")}
 
 
 @pytest.mark.parametrize("path", ALGORITHMS + RECIPES, ids=lambda p: os.path.relpath(p, CONFIGS))

@@ -1,0 +1,97 @@
+"""Worker for tests/distributed/test_pag.py (2 gloo ranks, TP=2, the PAG preset).
+
+A tiny model gets a short SFT on fixed turn texts (solution "Answer: <n>", verification "The answer
+is wrong", revision "Answer: <n>"), so that its sampled trajectories take all three turns. Then:
+
+1. components: the trainer's own components collect one step of PAG rollouts (builtin engine after
+   a weight stream from the TP=2 actor); the actor recomputes their log-probs -> per trajectory the
+   response ids, template / loss / value masks, turn layout, engine and trainer log-probs.
+2. loop: `megarl.trainer.loop.train` runs 2 PAG steps -> the metrics.jsonl rows.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megarl.config import load_config
+from megarl.parallel.distributed import init_distributed
+
+def write_sft_rows(path: Path, verify: str, revise: str, n: int = 96) -> None:
+    from megarl.data.templates import apply_template
+    from megarl.rollout.multi_turn import VERDICT_WRONG
+    from megarl.tasks.tiny_model import EOS_TOKEN
+
+    rows = []
+    for i in range(n):
+        a, b = 10 + i % 37, 20 + (7 * i) % 41
+        prompt, answer = apply_template("arith", f"{a}+{b}"), f"Answer: {a + b}"
+        rows += [{"prompt": prompt, "response": answer},
+                 {"prompt": prompt + answer + EOS_TOKEN + verify, "response": VERDICT_WRONG},
+                 {"prompt": prompt + answer + EOS_TOKEN + verify + VERDICT_WRONG + EOS_TOKEN + revise,
+                  "response": answer}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def case_components(cfg) -> dict:
+    from megarl.trainer import ppo
+    from megarl.trainer.batch import StepBatch
+    from megarl.trainer.components import build_components
+    from megarl.trainer.rollout import step_collector
+    from megarl.trainer.state import TrainerState
+
+    run = build_components(cfg)
+    run.start_engine()
+    run.sync_weights(0)
+    with run.generation(release=True):
+        trajs, metrics = step_collector(cfg, run)(0, TrainerState())
+    batch = StepBatch.from_trajectories(trajs)
+    ppo.set_masks(batch, cfg)
+    rows, _ = ppo.local_minibatches(ppo.split_minibatches(batch, len(batch), 0, run.dp_rank, run.dp_size))
+    local = batch.select(rows)
+    local.old_logprobs = ppo.compute_log_probs(run.actor, local, cfg.rollout.temperature)
+    out = {"metrics": metrics, "mismatch": ppo.logprob_mismatch(local, run.dp_group), "trajectories": []}
+    for i, r in enumerate(rows):  # local row i is batch row r (split_minibatches shuffles)
+        t, n = trajs[r], len(trajs[r].response_ids)
+        out["trajectories"].append({
+            "response_ids": t.response_ids, "template_mask": t.template_mask, "turn_ends": t.turn_ends,
+            "turn_is_policy": t.turn_is_policy, "turn_outcome": t.turn_outcome,
+            "engine_logprobs": t.rollout_logprobs, "trainer_logprobs": local.old_logprobs[i, :n].tolist(),
+            "loss_mask": local.loss_mask[i, :n].tolist(), "value_mask": local.value_mask[i, :n].tolist(),
+        })
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--root", required=True)
+    p.add_argument("--config", required=True)
+    p.add_argument("overrides", nargs="*")
+    a = p.parse_args()
+    root = Path(a.root)
+    cfg = load_config(a.config, a.overrides)
+    g = cfg.algorithm.pag
+    init_distributed(cfg.parallel, seed=cfg.trainer.seed)
+    if dist.get_rank() == 0:
+        write_sft_rows(Path(cfg.sft.data_path), g.verify_instruction, g.revise_instruction)
+    dist.barrier()
+
+    from megarl.trainer.loop import train
+    from megarl.trainer.sft import sft
+
+    cfg.model.load = sft(cfg, save_to=str(root / "sft_actor"))["checkpoint"]
+    res = {"components": case_components(cfg), "instructions": [g.verify_instruction, g.revise_instruction]}
+    cfg.trainer.run_dir = str(root / "loop")
+    train(cfg)
+    if dist.get_rank() == 0:
+        res["loop"] = [json.loads(x) for x in (root / "loop" / "metrics.jsonl").read_text().splitlines()]
+        Path(a.out).write_text(json.dumps(res))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    main()
