@@ -14,7 +14,8 @@ one random batch (packed THD like the trainer; --packed: variable lengths) throu
 transformers and the Megatron model (fp32) at tp x pp x cp and prints `max_abs_logit_diff=<float>`;
 with --grad also `max_rel_grad_diff=<float>` (max over parameters of |g_megatron - g_hf| / |g_hf|
 for the summed log-likelihood, through the trainer's TrainModel path) as its last line. It exits 1
-when a difference exceeds --tol.
+when a difference exceeds --tol. For vision-language models (qwen2_5_vl) verify feeds random
+images with the random text (megarl.models.vision.verify; no --grad / --packed yet).
 """
 
 from __future__ import annotations
@@ -212,6 +213,12 @@ def verify(args, rank: int) -> int:
 
     cfg = _load_hf_config(args.hf)
     dtype = _model_dtype(args, cfg)
+    from megarl.models.families import arch_spec
+
+    if arch_spec(cfg).vision is not None:  # random images + text (megarl.models.vision.verify)
+        from megarl.models.vision.verify import verify_vlm
+
+        return verify_vlm(args, cfg, dtype, rank)
     seqs = verify_batch(args, cfg.vocab_size)
     model = build_model(cfg, dtype=dtype, impl=args.impl)
     load_hf_weights(model, args.hf)

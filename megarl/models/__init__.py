@@ -4,6 +4,7 @@ from megarl.models.builder import build_model, padded_vocab_size, transformer_co
 from megarl.models.families import (
     ArchSpec, UnsupportedModelError, arch_spec, register_family, supported_model_types)
 from megarl.models.forward import megatron_forward_logits
+from megarl.models import vision as _vision  # noqa: F401,E402  (registers the vision-language families)
 
 __all__ = [
     "ArchSpec", "UnsupportedModelError", "arch_spec", "build_model", "megatron_forward_logits",

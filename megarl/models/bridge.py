@@ -32,7 +32,7 @@ import torch
 
 from megarl.models.families import ArchSpec
 
-LAYOUTS = ("replicated", "vocab", "row", "qkv", "fc1")
+LAYOUTS = ("replicated", "vocab", "row", "qkv", "fc1", "col", "fused_qkv")  # the last two: vision towers
 
 _LAYER_RULES: dict[str, tuple[tuple[str, ...], str]] = {
     "input_layernorm.weight": (("input_layernorm.weight",), "replicated"),
@@ -92,6 +92,10 @@ def expert_hf_names(pm: ParamMap, spec: ArchSpec, ep: int) -> tuple[str, ...]:
 
 def map_param(name: str, model, spec: ArchSpec) -> ParamMap:
     """The HF mapping of parameter `name` (as in `model.named_parameters()`) of a GPTModel chunk."""
+    if spec.vision is not None and name.startswith("vision_model."):  # megarl.models.vision.bridge
+        from megarl.models.vision.bridge import map_vision_param
+
+        return map_vision_param(name, ParamMap)
     if name == "embedding.word_embeddings.weight":
         return ParamMap(name, ("model.embed_tokens.weight",), "vocab")
     if name == "decoder.final_layernorm.weight":
@@ -159,6 +163,10 @@ def expected_hf_shapes(spec: ArchSpec, value_head: bool = False) -> dict[str, tu
                           "mlp.shared_expert.down_proj.weight": (h, fs), "mlp.shared_expert_gate.weight": (1, h)})
     for i in range(spec.num_layers):
         shapes.update({f"model.layers.{i}.{k}": v for k, v in layer.items()})
+    if spec.vision is not None:
+        from megarl.models.vision.bridge import vision_hf_shapes
+
+        shapes.update(vision_hf_shapes(spec.vision))
     return shapes
 
 
@@ -208,6 +216,13 @@ def read_shard(pm: ParamMap, reader: SliceReader, spec: ArchSpec, local_shape: t
     if layout == "fc1":
         start, stop = _even_range(reader.shape(names[0])[0], tp, tp_rank, names[0])
         return torch.cat([reader.read(names[0], 0, start, stop), reader.read(names[1], 0, start, stop)])
+    if layout == "col":
+        start, stop = _even_range(reader.shape(names[0])[0], tp, tp_rank, names[0])
+        return reader.read(names[0], 0, start, stop)
+    if layout == "fused_qkv":
+        from megarl.models.vision.bridge import read_fused_qkv
+
+        return read_fused_qkv(reader, names[0], spec.vision.head_dim, tp_rank, tp)
     raise ValueError(f"unknown layout {layout!r}")
 
 
@@ -226,6 +241,8 @@ def hf_shapes(pm: ParamMap, local_shape: tuple[int, ...], spec: ArchSpec, tp: in
                 (spec.num_query_groups * d, *rest)]
     if pm.layout == "fc1":
         return [(local_shape[0] // 2 * tp, *rest)] * 2
+    if pm.layout in ("col", "fused_qkv"):
+        return [(local_shape[0] * tp, *rest)]
     raise ValueError(f"unknown layout {pm.layout!r}")
 
 
@@ -247,6 +264,12 @@ def merge_shards(pm: ParamMap, shards: list[torch.Tensor], spec: ArchSpec) -> li
     if pm.layout == "fc1":
         halves = [s.chunk(2) for s in shards]
         return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+    if pm.layout == "col":
+        return [torch.cat(shards)]
+    if pm.layout == "fused_qkv":
+        from megarl.models.vision.bridge import merge_fused_qkv
+
+        return [merge_fused_qkv(shards, spec.vision.head_dim)]
     raise ValueError(f"unknown layout {pm.layout!r}")
 
 

@@ -103,6 +103,8 @@ def transformer_config(spec: ArchSpec, *, dtype: torch.dtype = torch.float32,
         _define_missing_te_gemm()
     else:  # MoE options of a run config (aux loss, routing replay) mean nothing to a dense model
         overrides = {k: v for k, v in overrides.items() if not k.startswith("moe_")}
+    if spec.mrope_section:  # M-RoPE of vision-language models (megarl.models.vision)
+        kwargs["mrope_section"] = list(spec.mrope_section)
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
@@ -228,7 +230,10 @@ def build_model(hf_config: Any, *, dtype: torch.dtype | str = torch.float32, imp
     tied = spec.tie_word_embeddings and not value_head
     config = transformer_config(spec, dtype=dtype, overrides=config_overrides)
     lspec = layer_spec(spec, impl)
-    inv_freq = hf_inv_freq(hf_config, spec.head_dim)
+    # a vision-language config keeps the LM's RoPE settings in text_config
+    inv_freq = hf_inv_freq(hf_config.text_config if spec.vision is not None else hf_config, spec.head_dim)
+    if spec.vision is not None and value_head:
+        raise ValueError(f"model_type={spec.model_type!r}: value heads (critics) are not supported yet")
     vp_size = ps.get_virtual_pipeline_model_parallel_world_size()
     chunks = []
     for vp_stage in range(vp_size or 1):
@@ -245,6 +250,10 @@ def build_model(hf_config: Any, *, dtype: torch.dtype | str = torch.float32, imp
             from megarl.models.value_head import ValueModel
 
             model = ValueModel(seed=seed, **kwargs)
+        elif spec.vision is not None:  # GPTModel + vision tower on the first stage, M-RoPE
+            from megarl.models.vision.model import Qwen2_5_VLModel
+
+            model = Qwen2_5_VLModel(arch_spec=spec, **kwargs)
         else:
             model = GPTModel(**kwargs)
         model.rotary_pos_emb.inv_freq = inv_freq.clone().to(model.rotary_pos_emb.inv_freq.device)

@@ -47,18 +47,26 @@ class ArchSpec:
     moe_ffn_hidden_size: int = 0
     norm_topk_prob: bool = False
     shared_expert_ffn_hidden_size: int = 0
+    # Vision-language models (megarl.models.vision): M-RoPE sections [t, h, w] of head_dim / 2
+    # (None = plain 1-D RoPE) and the vision tower's facts (a `VisionSpec`; None = text only).
+    mrope_section: tuple[int, ...] | None = None
+    vision: Any = None
 
 
 _FAMILIES: dict[str, Callable[[Any], ArchSpec]] = {}
+_VISION_LANGUAGE: set[str] = set()
 
 
-def register_family(model_type: str):
-    """Registers `fn(hf_config) -> ArchSpec` for HF configs whose `model_type` is `model_type`."""
+def register_family(model_type: str, *, vision_language: bool = False):
+    """Registers `fn(hf_config) -> ArchSpec` for HF configs whose `model_type` is `model_type`
+    (vision_language: listed apart in error messages)."""
 
     def deco(fn: Callable[[Any], ArchSpec]):
         if model_type in _FAMILIES:
             raise ValueError(f"model family {model_type!r} is already registered")
         _FAMILIES[model_type] = fn
+        if vision_language:
+            _VISION_LANGUAGE.add(model_type)
         return fn
 
     return deco
@@ -75,7 +83,8 @@ def arch_spec(hf_config: Any) -> ArchSpec:
         raise UnsupportedModelError(
             f"unsupported architecture model_type={model_type!r} "
             f"(architectures={getattr(hf_config, 'architectures', None)}); "
-            f"supported model_type values: {supported_model_types()}"
+            f"supported model_type values: {[t for t in supported_model_types() if t not in _VISION_LANGUAGE]}"
+            f" (vision-language: {sorted(_VISION_LANGUAGE)})"
         )
     return _FAMILIES[model_type](hf_config)
 

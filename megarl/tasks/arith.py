@@ -45,8 +45,10 @@ def problem_text(a: int, b: int) -> str:
     return f"{a}+{b}"
 
 
-def cot_response(a: int, b: int) -> str:
-    """The reference chain of thought for a + b (non-negative ints), ending in ``Answer: <a+b>``."""
+def cot_lines(a: int, b: int, wrong_column: int | None = None, delta: int = 1) -> tuple[list[str], int]:
+    """The chain-of-thought lines of a + b (non-negative ints; no Answer line) and the result they
+    reach; with `wrong_column` that column's sum is off by `delta` (a wrong step that the later
+    columns follow consistently, so the result is a + b + delta * 10^column)."""
     if a < 0 or b < 0:
         raise ValueError(f"arith: operands must be non-negative, got {a}, {b}")
     da, db = str(a)[::-1], str(b)[::-1]
@@ -55,12 +57,17 @@ def cot_response(a: int, b: int) -> str:
     for i in range(n):
         x = int(da[i]) if i < len(da) else 0
         y = int(db[i]) if i < len(db) else 0
-        s = x + y + carry
+        s = x + y + carry + (delta if i == wrong_column else 0)
         so_far = (str(s) if i == n - 1 else str(s % 10)) + so_far
         lines.append(f"{x}+{y}+{carry}={s} {so_far}")
         carry = s // 10
-    lines.append(f"Answer: {a + b}")
-    return "\n".join(lines)
+    return lines, int(so_far)
+
+
+def cot_response(a: int, b: int) -> str:
+    """The reference chain of thought for a + b (non-negative ints), ending in ``Answer: <a+b>``."""
+    lines, total = cot_lines(a, b)
+    return "\n".join(lines + [f"Answer: {total}"])
 
 
 def make_problem(rng: random.Random, digits: int) -> tuple[str, str, str]:

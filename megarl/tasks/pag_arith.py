@@ -33,28 +33,12 @@ from pathlib import Path
 from megarl.data.templates import apply_template
 from megarl.rollout.multi_turn import VERDICT_CORRECT, VERDICT_WRONG
 from megarl.tasks import QUICKSTART_TASKS, QuickstartTask
-from megarl.tasks.arith import _unique_pairs, cot_response, write_splits
+from megarl.tasks.arith import _unique_pairs, cot_lines, cot_response, write_splits
 from megarl.tasks.tiny_model import EOS_TOKEN
 
 ROW_KINDS = {"solution": 0.5, "verification": 0.3, "revision": 0.2}  # share of SFT rows of each turn kind
-TABLE_METRICS = ("eval/pag_arith/first_accuracy", "eval/pag_arith/verify_accuracy", "eval/pag_arith/final_accuracy")
-
-
-def cot_lines(a: int, b: int, wrong_column: int | None = None, delta: int = 1) -> tuple[list[str], int]:
-    """The chain-of-thought lines of a + b (arith.cot_response without the Answer line) and the
-    result they reach; with `wrong_column` that column's sum is off by `delta` (a wrong step; the
-    later columns follow it consistently, so the result is a + b + delta * 10^column)."""
-    da, db = str(a)[::-1], str(b)[::-1]
-    lines, carry, so_far = [], 0, ""
-    n = max(len(da), len(db))
-    for i in range(n):
-        x = int(da[i]) if i < len(da) else 0
-        y = int(db[i]) if i < len(db) else 0
-        s = x + y + carry + (delta if i == wrong_column else 0)
-        so_far = (str(s) if i == n - 1 else str(s % 10)) + so_far
-        lines.append(f"{x}+{y}+{carry}={s} {so_far}")
-        carry = s // 10
-    return lines, int(so_far)
+TABLE_METRICS = tuple(f"eval/pag_arith/{k}" for k in (
+    "first_accuracy", "verify_accuracy", "verify_on_correct", "verify_on_wrong", "revised_frac", "final_accuracy"))
 
 
 def wrong_solution(a: int, b: int, rng: random.Random) -> tuple[str, int]:

@@ -1,0 +1,84 @@
+"""Qwen2.5-VL on megatron-core: megatron's `GPTModel` (Qwen2 LM, M-RoPE) plus the vision tower.
+
+`Qwen2_5_VLModel` is a `GPTModel` (same `embedding` / `decoder` / `output_layer`, so megarl's weight
+bridge, stream, checkpoints and PP schedules treat its LM like any dense family) built with
+`position_embedding_type="mrope"` (megatron's `MultimodalRotaryEmbedding`, sections from
+`ArchSpec.mrope_section`). The first pipeline stage also holds `vision_model`
+(`megarl.models.vision.tower.VisionTransformer`). Its forward takes, besides GPTModel's arguments,
+
+- `pixel_values` [N, C*tp*p*p] and `image_grid_thw` [n_images, 3] (HF's image processor output;
+  used on the first stage only),
+- `position_ids` [3, b, s] M-RoPE ids (`megarl.models.vision.mrope.mrope_position_ids`, needed on
+  every stage), or 2-D [b, s] for text only: then every token gets (p, p, p), with p its position
+  within its own sequence of a packed THD row (the packed row's offsets are not positions).
+
+On the first stage the input embeddings are the word embeddings with the image embeddings written,
+in order, at the `image_token_id` placeholders (row-major over [b, s], as HF's masked_scatter);
+under sequence parallelism they are scattered over TP only after that.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.models.gpt import GPTModel
+
+from megarl.models.vision.tower import VisionTransformer
+
+
+def text_mrope_positions(position_ids: torch.Tensor, packed_seq_params) -> torch.Tensor:
+    """[3, b, s] M-RoPE ids of text-only tokens from 2-D position ids [b, s]: (p, p, p) with
+    p = position_ids, or for a packed THD row p = index - start of the token's sequence."""
+    if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+        from megarl.models.attention import sequence_coords
+
+        cu = packed_seq_params.cu_seqlens_q_padded
+        cu = (packed_seq_params.cu_seqlens_q if cu is None else cu).tolist()
+        if position_ids.shape[-1] == cu[-1]:
+            _, pos = sequence_coords(cu, device=position_ids.device)
+            position_ids = pos[None].expand(position_ids.shape[0], -1)
+    return position_ids[None].expand(3, -1, -1)
+
+
+class Qwen2_5_VLModel(GPTModel):
+    """GPTModel + Qwen2.5-VL vision tower on the first pipeline stage (module doc)."""
+
+    def __init__(self, *, arch_spec, **gpt_kwargs):
+        gpt_kwargs.update(position_embedding_type="mrope", scatter_embedding_sequence_parallel=False)
+        super().__init__(**gpt_kwargs)
+        if self.config.context_parallel_size > 1:
+            raise ValueError("qwen2_5_vl does not support context parallelism yet")
+        self.image_token_id = arch_spec.vision.image_token_id
+        self.vision_model = VisionTransformer(arch_spec, self.config) if self.pre_process else None
+
+    def embed(self, input_ids: torch.Tensor, pixel_values=None, image_grid_thw=None) -> torch.Tensor:
+        """Decoder input [s, b, h] (the sequence-parallel slice under SP): word embeddings with the
+        image embeddings at the placeholder tokens."""
+        from megatron.core import tensor_parallel
+
+        emb = self.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h], not SP-scattered
+        mask = input_ids == self.image_token_id
+        if pixel_values is not None:
+            if image_grid_thw is None:
+                raise ValueError("pixel_values without image_grid_thw")
+            image = self.vision_model(pixel_values, image_grid_thw)
+            if int(mask.sum()) != image.shape[0]:
+                raise ValueError(f"{int(mask.sum())} image placeholder tokens but the images give "
+                                 f"{image.shape[0]} embeddings")
+            emb = emb.transpose(0, 1).masked_scatter(mask[..., None], image.to(emb.dtype)).transpose(0, 1)
+        elif bool(mask.any()):
+            raise ValueError("input_ids hold image placeholder tokens but no pixel_values were given")
+        if self.config.sequence_parallel:
+            emb = tensor_parallel.scatter_to_sequence_parallel_region(emb.contiguous())
+        return emb.contiguous()
+
+    def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None,
+                inference_context=None, packed_seq_params=None, extra_block_kwargs=None,
+                runtime_gather_output=None, *, pixel_values=None, image_grid_thw=None, **kwargs):
+        if position_ids is not None and position_ids.dim() == 2:
+            position_ids = text_mrope_positions(position_ids, packed_seq_params)
+        if self.pre_process and decoder_input is None:
+            decoder_input = self.embed(input_ids, pixel_values, image_grid_thw)
+        return super().forward(input_ids, position_ids, attention_mask, decoder_input=decoder_input,
+                               labels=labels, inference_context=inference_context,
+                               packed_seq_params=packed_seq_params, extra_block_kwargs=extra_block_kwargs,
+                               runtime_gather_output=runtime_gather_output, **kwargs)
