@@ -1,7 +1,12 @@
 """Builtin rollout engine: batched generation with a preallocated KV cache, pure torch.
 
 Runs on CPU (tests, quickstart) and on one GPU (small runs). Architecture: `torch_model.DecoderLM`
-(Qwen2/2.5, Qwen3, Llama 3); sampling: `sampling.py`.
+(Qwen2/2.5, Qwen3, Llama 3, Qwen3-MoE, Qwen2-MoE) or `torch_vlm.VisionLM` (Qwen2.5-VL); sampling:
+`sampling.py`.
+
+Images (Qwen2.5-VL): `generate(..., images=[PromptImages | HF processor dict | None per prompt])`;
+the tower runs once per prompt at prefill, M-RoPE positions as HF (`torch_vlm`); samples keep
+their images (`Sample.images`) for `continue_samples`.
 
 Batching. Prompts are left-padded so every row writes the same cache slot at each decode step;
 positions start at 0 at each row's first real token and pad keys are masked. With `n > 1` each
@@ -47,7 +52,7 @@ from megarl.rollout.sampling import sample_tokens, segment_budget, token_sampler
 from megarl.rollout.torch_model import (
     DecoderLM, KVCache, ModelArgs, check_kv_cache_budget, model_args_from_hf_config)
 from megarl.rollout.torch_moe import RoutingTape, sample_routing
-from megarl.rollout.types import Sample, SamplingParams
+from megarl.rollout.types import PromptImages, Sample, SamplingParams
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -97,7 +102,10 @@ class BuiltinEngine:
         self.eos_token_ids = list(dict.fromkeys(int(t) for t in eos_token_ids))
         self.max_context = min(max_context or self.args.max_position_embeddings,
                                self.args.max_position_embeddings)
-        self.model = DecoderLM.empty(self.args, self.dtype, self.device)
+        model_cls = DecoderLM
+        if self.args.vision is not None:
+            from megarl.rollout.torch_vlm import VisionLM as model_cls
+        self.model = model_cls.empty(self.args, self.dtype, self.device)
         self._shapes = {n: p.shape for n, p in self.model.named_parameters()}
         self._loaded: set[str] = set()
         self.weight_version = 0
@@ -173,6 +181,10 @@ class BuiltinEngine:
     def _param_key(self, name: str) -> str | None:
         if name.endswith(_IGNORED_SUFFIXES):
             return None
+        if self.args.vision is not None:
+            from megarl.rollout.torch_vlm import hf_param_name
+
+            name = hf_param_name(name)
         if name == "lm_head.weight" and self.args.tie_word_embeddings:
             return "model.embed_tokens.weight"
         return name
@@ -205,10 +217,14 @@ class BuiltinEngine:
 
     # ------------------------------------------------------------------ generation
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Sample]:
-        """`sampling.n` samples per prompt, prompt-major order (Sample.index = prompt index)."""
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
+                 images: Sequence[PromptImages | Any | None] | None = None) -> list[Sample]:
+        """`sampling.n` samples per prompt, prompt-major order (Sample.index = prompt index).
+
+        images: vision-language models only; one entry per prompt (module doc)."""
         self._check_call(sampling)
         prompts = [self._check_tokens(p, f"prompt {i}") for i, p in enumerate(prompts)]
+        images = self._check_images(images, len(prompts))
         for i, p in enumerate(prompts):
             if len(p) >= self.max_context:
                 raise ValueError(f"prompt {i} has {len(p)} tokens; the engine context is "
@@ -218,11 +234,12 @@ class BuiltinEngine:
             budget, window_limited = self._budget(len(p), 0, sampling)
             rows += [_Row([], budget, window_limited) for _ in range(sampling.n)]
         if prompts:
-            self._run(prompts, sampling.n, rows, sampling, first_segment=True)
+            self._run(prompts, sampling.n, rows, sampling, first_segment=True, images=images)
         samples = []
         for r, row in enumerate(rows):
             index = r // sampling.n
-            samples.append(self._make_sample(prompts[index], row, index, meta={}))
+            samples.append(self._make_sample(prompts[index], row, index, meta={},
+                                             images=images[index] if images else None))
         return samples
 
     def continue_samples(self, samples: Sequence[Sample], sampling: SamplingParams) -> list[Sample]:
@@ -235,7 +252,8 @@ class BuiltinEngine:
         self._check_call(sampling)
         if sampling.n != 1:
             raise ValueError(f"continue_samples: SamplingParams.n must be 1 (got {sampling.n})")
-        contexts, rows, runnable = [], [], []
+        contexts, rows, runnable, context_images = [], [], [], []
+        self._check_images([s.images for s in samples], len(samples))
         for i, s in enumerate(samples):
             if s.finish_reason != "truncated":
                 raise ValueError(f"continue_samples: sample {i} has finish_reason "
@@ -251,13 +269,15 @@ class BuiltinEngine:
                 row.finish_reason = "length"
             else:
                 contexts.append(prompt + response)
+                context_images.append(s.images)
                 runnable.append(row)
             rows.append(row)
         if contexts:
-            self._run(contexts, 1, runnable, sampling, first_segment=False)
+            self._run(contexts, 1, runnable, sampling, first_segment=False,
+                      images=context_images if self.args.vision is not None else None)
         out = []
         for s, row in zip(samples, rows):
-            cont = self._make_sample(list(s.prompt_ids), row, s.index, meta=dict(s.meta))
+            cont = self._make_sample(list(s.prompt_ids), row, s.index, meta=dict(s.meta), images=s.images)
             cont.response_ids = list(s.response_ids) + cont.response_ids
             cont.logprobs = list(s.logprobs) + cont.logprobs
             cont.text = self._decode(cont.response_ids)
@@ -292,13 +312,19 @@ class BuiltinEngine:
                                  f"[0, {vocab})")
         return ids
 
+    def _check_images(self, images: Any, n_prompts: int) -> list[PromptImages | None] | None:
+        from megarl.rollout.torch_vlm import check_images
+
+        return check_images(self.args, images, n_prompts)
+
     def _budget(self, context_len: int, done: int, sampling: SamplingParams) -> tuple[int, bool]:
         return segment_budget(context_len, done, sampling, self.max_context)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
 
-    def _make_sample(self, prompt: list[int], row: _Row, index: int, meta: dict) -> Sample:
+    def _make_sample(self, prompt: list[int], row: _Row, index: int, meta: dict,
+                     images: PromptImages | None = None) -> Sample:
         meta.setdefault("weight_versions", [])
         meta["weight_versions"] = list(meta["weight_versions"]) + [self.weight_version]
         routed = None
@@ -306,7 +332,8 @@ class BuiltinEngine:
             routed = sample_routing(row.context_routing, row.routing, len(prompt) + len(row.response))
         return Sample(prompt_ids=list(prompt), response_ids=row.new_ids,
                       logprobs=row.new_logprobs, finish_reason=row.finish_reason,
-                      text=self._decode(row.new_ids), index=index, meta=meta, routed_experts=routed)
+                      text=self._decode(row.new_ids), index=index, meta=meta, routed_experts=routed,
+                      images=images)
 
     def _stop_hit(self, row: _Row, token: int, stop_ids: set[int], stops: list[str],
                   tail: int) -> bool:
@@ -319,13 +346,16 @@ class BuiltinEngine:
         return any(s in text and s not in before for s in stops)
 
     def _prefill(self, contexts: list[list[int]], width: int, cache: KVCache,
-                 tape: RoutingTape | None = None) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+                 tape: RoutingTape | None = None, vision: list | None = None
+                 ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         """Writes every context right-aligned into cache slots [width - len, width) and returns the
         logits [B, V] of its last position. Rows are prefilled in groups of similar length (powers
         of two), each left-padded only to its own longest context: a T-PPO window mixes short
         prompts with long carried responses, and one padded batch would compute mostly padding.
         Slots left of a group's width are zeroed (they are masked, and 0 * NaN garbage is NaN).
-        With a routing tape, also each context's experts [len, layers, k] (else Nones)."""
+        With a routing tape, also each context's experts [len, layers, k] (else Nones). `vision`
+        (vision-language models): each context's `torch_vlm.VisionContext` (M-RoPE positions and
+        image embeddings)."""
         dev, lens = self.device, [len(c) for c in contexts]
         routing: list[torch.Tensor | None] = [None] * len(contexts)
         groups: dict[int, list[int]] = {}
@@ -344,7 +374,10 @@ class BuiltinEngine:
             diag = torch.eye(L, dtype=torch.bool, device=dev)  # pad queries see themselves
             mask = (causal[None] & valid[:, None, :]) | diag[None]
             part = KVCache.allocate(self.args, len(members), L, self.dtype, dev)
-            out = self.model(tokens.to(dev), positions, part, 0, mask[:, None])
+            extra = {}
+            if vision is not None:
+                positions, extra["embeds"] = self.model.prefill_inputs(tokens.to(dev), [vision[i] for i in members])
+            out = self.model(tokens.to(dev), positions, part, 0, mask[:, None], **extra)
             if tape is not None:
                 rec = tape.take()
                 rec = rec.view(len(members), L, *rec.shape[1:])
@@ -361,8 +394,10 @@ class BuiltinEngine:
 
     @torch.inference_mode()
     def _run(self, contexts: list[list[int]], repeat: int, rows: list[_Row],
-             sampling: SamplingParams, first_segment: bool) -> None:
-        """Generates for `rows` (row r continues contexts[r // repeat]); fills the rows in place."""
+             sampling: SamplingParams, first_segment: bool,
+             images: list[PromptImages | None] | None = None) -> None:
+        """Generates for `rows` (row r continues contexts[r // repeat]); fills the rows in place.
+        images: one entry per context (vision-language models; None for text-only models)."""
         dev = self.device
         first_sampler, sampler = token_samplers(sampling)
         if not first_segment:
@@ -381,22 +416,26 @@ class BuiltinEngine:
         self.kv_cache_bytes = check_kv_cache_budget(self.args, len(rows), prompt_len + max_steps, self.dtype,
                                                     self.kv_cache_gb)
         cache = KVCache.allocate(self.args, len(contexts), prompt_len + max_steps, self.dtype, dev)
+        # vision-language models: M-RoPE positions and image embeddings (the tower runs once per context)
+        vision = self.model.prepare_contexts(contexts, images) if self.args.vision is not None else None
         tape = RoutingTape(self.model) if self.record_routing else None
         try:
             self._generate_rows(contexts, repeat, rows, sampling, first_sampler, sampler, generator, stop_ids, tail,
-                                lens, prompt_len, max_steps, key_valid, cache, tape)
+                                lens, prompt_len, max_steps, key_valid, cache, tape, vision)
         finally:
             if tape is not None:
                 tape.close()
 
     def _generate_rows(self, contexts, repeat, rows, sampling, first_sampler, sampler, generator, stop_ids, tail,
-                       lens, prompt_len, max_steps, key_valid, cache, tape) -> None:
+                       lens, prompt_len, max_steps, key_valid, cache, tape, vision=None) -> None:
         dev = self.device
-        logits, context_routing = self._prefill(contexts, prompt_len, cache, tape)
+        logits, context_routing = self._prefill(contexts, prompt_len, cache, tape, vision)
         if tape is not None:
             for r, row in enumerate(rows):
                 row.context_routing = context_routing[r // repeat]
         next_pos = lens.to(dev)
+        if vision is not None:  # M-RoPE: continue at each context's max position + 1 (HF rope_deltas)
+            next_pos = next_pos + torch.tensor([v.delta for v in vision], device=dev)
         if repeat > 1:
             cache.repeat_rows(repeat)
             logits, key_valid, next_pos = (t.repeat_interleave(repeat, dim=0)

@@ -35,8 +35,10 @@ def _as_id_list(value: Any) -> list[int]:
 
 
 def eos_token_ids(config: dict, hf_dir: str | Path | None = None) -> list[int]:
-    """EOS ids from config.json and, when present, generation_config.json (union, ordered)."""
+    """EOS ids from config.json (its `text_config` too) and, when present, generation_config.json
+    (union, ordered)."""
     ids = _as_id_list(config.get("eos_token_id"))
+    ids += _as_id_list((config.get("text_config") or {}).get("eos_token_id"))  # vision-language configs
     gen_path = Path(hf_dir) / "generation_config.json" if hf_dir is not None else None
     if gen_path is not None and gen_path.is_file():
         ids += _as_id_list(read_json(gen_path).get("eos_token_id"))

@@ -2,7 +2,8 @@
 
 Covers the dense HF families Qwen2 / Qwen2.5 (q/k/v bias), Qwen3 (per-head q/k RMSNorm) and
 Llama 3 (optional llama3 rope scaling, tied or untied embeddings), and the MoE families
-Qwen3-MoE and Qwen2-MoE (`megarl.rollout.torch_moe`). Module attribute names mirror
+Qwen3-MoE and Qwen2-MoE (`megarl.rollout.torch_moe`); the vision-language Qwen2.5-VL builds on it
+(`megarl.rollout.torch_vlm`). Module attribute names mirror
 the HF checkpoint names (`model.layers.0.self_attn.q_proj.weight`, ...), so `state_dict()` keys
 are HF names and loading a weight stream is a name lookup.
 
@@ -49,6 +50,8 @@ class ModelArgs:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
+    mrope_section: tuple[int, ...] = ()  # qwen2_5_vl: M-RoPE chunks of head_dim / 2 (`torch_vlm`)
+    vision: Any = None  # qwen2_5_vl: `torch_vlm.VisionArgs` of the vision tower
 
 
 def _get(cfg: dict, key: str, default: Any = None) -> Any:
@@ -122,12 +125,19 @@ def _qwen2_moe_args(cfg: dict) -> ModelArgs:
     return _moe_args(cfg, dense, int(_get(cfg, "shared_expert_intermediate_size", 0)))
 
 
+def _qwen2_5_vl_args(cfg: dict) -> ModelArgs:
+    from megarl.rollout.torch_vlm import qwen2_5_vl_args
+
+    return qwen2_5_vl_args(cfg)
+
+
 MODEL_FAMILIES: dict[str, Callable[[dict], ModelArgs]] = {
     "qwen2": _qwen2_args,
     "qwen3": _qwen3_args,
     "llama": _llama_args,
     "qwen3_moe": _qwen3_moe_args,
     "qwen2_moe": _qwen2_moe_args,
+    "qwen2_5_vl": _qwen2_5_vl_args,  # vision tower + M-RoPE: `megarl.rollout.torch_vlm`
 }
 
 

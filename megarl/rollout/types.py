@@ -58,6 +58,17 @@ class SamplingParams:
 
 
 @dataclass
+class PromptImages:
+    """The images of one prompt (vision-language models), as HF's image processor returns them for
+    that prompt's images in prompt order: `pixel_values` [patches, C * temporal_patch * patch^2]
+    and `image_grid_thw` [images, 3]. The prompt holds each image as one run of
+    t * h * w / merge^2 image placeholder tokens, in the same order."""
+
+    pixel_values: torch.Tensor
+    image_grid_thw: torch.Tensor
+
+
+@dataclass
 class Sample:
     """One generated response.
 
@@ -77,12 +88,15 @@ class Sample:
     # MoE engines: [prompt + response tokens, layers, top_k] int16 experts each token was routed to
     # (routing replay); None when not recorded
     routed_experts: torch.Tensor | None = None
+    # vision-language models: the prompt's images (None for text); `continue_samples` reuses them
+    images: PromptImages | None = None
 
 
 @runtime_checkable
 class RolloutEngine(Protocol):
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Sample]:
-        """Samples `sampling.n` responses per prompt, prompt-major order."""
+        """Samples `sampling.n` responses per prompt, prompt-major order. Engines that serve
+        vision-language models also take `images=` (one `PromptImages` or None per prompt)."""
 
     def continue_samples(self, samples: list[Sample], sampling: SamplingParams) -> list[Sample]:
         """Continues truncated samples (T-PPO) under the current weights."""

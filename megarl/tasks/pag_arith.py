@@ -9,9 +9,9 @@ paper's verify instruction alone is 243):
     7+6+0=13 3 ... Answer: 1203<eos>      solution: arith.cot_response
     <verify instruction>
     7+6+0=13 3                            verification: the chain of thought again (re-derived,
-    4+5+1=10 03                           not copied), the recomputed vs the claimed answer, and
-    3+8+1=12 1203                         the verdict phrase
-    1203 vs 1203
+    4+5+1=10 03                           not copied), the recomputed and the claimed answer
+    3+8+1=12 1203                         compared digit by digit (`digit_check`), and the
+    1=1 2=2 0=0 3=3                       verdict phrase
     The answer is correct<eos>
     <revise instruction>                  (only after "The answer is wrong")
     ...Answer: 1203<eos>                  revision: the chain of thought
@@ -51,11 +51,25 @@ def wrong_solution(a: int, b: int, rng: random.Random) -> tuple[str, int]:
     return "\n".join(lines + [f"Answer: {answer}"]), answer
 
 
+def digit_check(result: int, claimed: int) -> str:
+    """The recomputed and the claimed answer compared digit by digit from the left, `r=c` for equal
+    digits, `r!c` at the first difference (and nothing after it): each relation is decided by the
+    two digits just written, which a tiny model learns; a verdict after "1203 vs 1193" would need
+    an equality test of two whole numbers, which it did not (the SFT verifier said the same verdict
+    to every answer). A length difference ends the line with the shorter number's digits."""
+    pairs = []
+    for r, c in zip(str(result), str(claimed)):
+        pairs.append(f"{r}={c}" if r == c else f"{r}!{c}")
+        if r != c:
+            break
+    return " ".join(pairs)
+
+
 def verification(a: int, b: int, claimed: int) -> str:
-    """Re-derived chain of thought, `<recomputed> vs <claimed>`, and the verdict phrase."""
+    """Re-derived chain of thought, the digit check against the claimed answer, and the verdict phrase."""
     lines, result = cot_lines(a, b)
     verdict = VERDICT_CORRECT if result == claimed else VERDICT_WRONG
-    return "\n".join(lines + [f"{result} vs {claimed}", verdict])
+    return "\n".join(lines + [digit_check(result, claimed), verdict])
 
 
 def sft_row(a: int, b: int, kind: str, rng: random.Random, verify: str, revise: str) -> dict:

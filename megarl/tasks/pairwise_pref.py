@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 DATA_SOURCE = "pairwise_pref"  # RL rows: judged against their anchor
 EVAL_SOURCE = "pairwise_pref_hidden"  # eval rows: the hidden rule
 N_DIGITS = 4
-INVALID_FRAC = 0.3
+INVALID_FRAC = 0.15
 SPLITS = {"eval": 200, "judge_eval": 300, "train": 1500}  # the rest: SFT and judge training prompts
 
 

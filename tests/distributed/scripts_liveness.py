@@ -767,7 +767,7 @@ def _fill(s: str, ctx: Ctx) -> str:
 def _base(ctx: Ctx, extra=()):
     from megarl.config import load_config
 
-    return load_config(None, base_overrides(ctx) + list(extra))
+    return load_config(None, base_overrides(ctx) + [f"trainer.run_dir={ctx.root / 'base'}"] + list(extra))
 
 
 def _observe(ctx, obs, overrides, run_dir: Path):

@@ -25,9 +25,11 @@ def test_a_wrong_step_is_one_column_off_and_followed_consistently():
         assert abs(int(right[first].split("=")[1].split()[0]) - int(wrong[first].split("=")[1].split()[0])) == 1
 
 
-def test_verification_recomputes_and_states_the_verdict():
-    assert P.verification(347, 856, 1203).split("\n")[-2:] == ["1203 vs 1203", VERDICT_CORRECT]
-    assert P.verification(347, 856, 1193).split("\n")[-2:] == ["1203 vs 1193", VERDICT_WRONG]
+def test_verification_recomputes_and_checks_digit_by_digit():
+    assert P.verification(347, 856, 1203).split("\n") == [
+        "7+6+0=13 3", "4+5+1=10 03", "3+8+1=12 1203", "1=1 2=2 0=0 3=3", VERDICT_CORRECT]
+    assert P.verification(347, 856, 1193).split("\n")[-2:] == ["1=1 2!1", VERDICT_WRONG]  # stops at the first difference
+    assert P.digit_check(1203, 203) == "1!2" and P.digit_check(120, 1203) == "1=1 2=2 0=0"
     assert parse_verdict(P.verification(347, 856, 1193)) == 0
 
 

@@ -1,0 +1,109 @@
+"""How much of the arithmetic quickstart's return variance a critic could explain (issue: a critic
+that learns). Samples the policy, scores the samples, and reports two token-level explained
+variances on the same rollouts (EV = 1 - Var(R - V) / Var(R) over response tokens, the trainer's
+`critic/explained_variance` with lambda_critic = 1):
+
+- oracle: V(t) = -1 once the response has departed from the reference chain of thought before
+  token t (the wrong character is visible to the state before t), else the mean return of the
+  tokens with no visible departure. A critic that detects every written error perfectly, and
+  knows nothing else, scores this.
+- linear probe, per trunk: a ridge regression from the trunk's last hidden state before token t
+  to the return, fitted on 80% of the prompts and scored on the rest (what a value head on that
+  frozen trunk can read).
+
+    python tools/probe_critic_ceiling.py --policy POLICY_HF --trunks A_HF,B_HF --task runs/x/task/train.jsonl
+
+HF dirs come from `tools/convert_checkpoint.py megatron-to-hf`. Byte-level tokenizer assumed (the
+quickstart's: one token per character), as the oracle maps characters to tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def explained_variance(returns: torch.Tensor, values: torch.Tensor) -> float:
+    return float(1 - (returns - values).var() / returns.var())
+
+
+def first_departure(text: str, reference: str) -> int:
+    """Index of the first character where `text` leaves `reference` (len of the shorter if none)."""
+    return next((i for i, (x, y) in enumerate(zip(text, reference)) if x != y), min(len(text), len(reference)))
+
+
+def oracle_values(samples: list[tuple[str, str, float, int]]) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """samples: (response text, reference, return, n tokens) -> (returns, oracle values, share of
+    tokens after a visible departure) over all response tokens."""
+    seen, rets = [], []
+    for text, ref, ret, n in samples:
+        err = None if ret > 0 else min(first_departure(text, ref), max(len(text) - 1, 0)) + 1
+        seen += [err is not None and t >= err for t in range(n)]
+        rets += [ret] * n
+    seen_t, r = torch.tensor(seen), torch.tensor(rets, dtype=torch.float64)
+    v = torch.where(seen_t, torch.tensor(-1.0, dtype=torch.float64), r[~seen_t].mean())
+    return r, v, float(seen_t.double().mean())
+
+
+def ridge_probe(x: torch.Tensor, y: torch.Tensor, held_out: torch.Tensor, lam: float = 1e-2) -> tuple[float, float]:
+    """(train EV, held-out EV) of ridge regression y ~ [x, 1]."""
+    x = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], 1)
+    a = x[~held_out]
+    w = torch.linalg.solve(a.T @ a + lam * torch.eye(a.shape[1], dtype=a.dtype), a.T @ y[~held_out])
+    return explained_variance(y[~held_out], a @ w), explained_variance(y[held_out], x[held_out] @ w)
+
+
+def main(argv=None) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from megarl.data.templates import apply_template
+    from megarl.rollout import SamplingParams
+    from megarl.rollout.builtin import BuiltinEngine
+    from megarl.tasks.arith import cot_lines
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--policy", required=True, help="HF dir of the policy that samples")
+    p.add_argument("--trunks", default="", help="comma-separated HF dirs whose hidden states are probed")
+    p.add_argument("--task", required=True, help="arith prompt rows (problem, answer)")
+    p.add_argument("--prompts", type=int, default=160)
+    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=1)
+    a = p.parse_args(argv)
+    rows = [json.loads(x) for x in Path(a.task).read_text().splitlines()[: a.prompts]]
+    engine = BuiltinEngine.from_pretrained(a.policy)
+    tok = engine.tokenizer
+    out = engine.generate([tok.encode(apply_template("arith", r["problem"])) for r in rows],
+                          SamplingParams(n=a.samples, temperature=a.temperature, max_new_tokens=80, seed=a.seed))
+    samples = []
+    for s in out:
+        x, y = map(int, rows[s.index]["problem"].split("+"))
+        lines, total = cot_lines(x, y)
+        text = tok.decode(s.response_ids, skip_special_tokens=True)
+        ret = 1.0 if text.strip().split("\n")[-1] == f"Answer: {total}" else -1.0
+        samples.append((text, "\n".join(lines + [f"Answer: {total}"]), ret, len(s.response_ids)))
+    r, v, after = oracle_values(samples)
+    acc = sum(s[2] > 0 for s in samples) / len(samples)
+    print(f"samples={len(samples)} accuracy={acc:.3f} tokens={len(r)} return_var={float(r.var()):.3f} "
+          f"oracle_ev={explained_variance(r, v):.3f} tokens_after_visible_error={after:.3f}", flush=True)
+    held = torch.cat([torch.full((n,), s.index % 5 == 0) for s, (_, _, _, n) in zip(out, samples)])
+    for trunk in [t for t in a.trunks.split(",") if t]:
+        model = AutoModelForCausalLM.from_pretrained(trunk, dtype=torch.float32).eval()
+        feats = []
+        with torch.no_grad():
+            for s in out:
+                h = model(torch.tensor([s.prompt_ids + s.response_ids]), output_hidden_states=True).hidden_states[-1][0]
+                n0 = len(s.prompt_ids) - 1
+                feats.append(h[n0: n0 + len(s.response_ids)].double())
+        train_ev, held_ev = ridge_probe(torch.cat(feats), r, held)
+        print(f"trunk={trunk} probe_train_ev={train_ev:.3f} probe_heldout_ev={held_ev:.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
