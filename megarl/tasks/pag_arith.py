@@ -8,10 +8,9 @@ paper's verify instruction alone is 243):
     Q: 347+856=?\\n                       prompt (template arith)
     7+6+0=13 3 ... Answer: 1203<eos>      solution: arith.cot_response
     <verify instruction>
-    7+6+0=13 3                            verification: the chain of thought again (re-derived,
-    4+5+1=10 03                           not copied), the recomputed and the claimed answer
-    3+8+1=12 1203                         compared digit by digit (`digit_check`), and the
-    1=1 2=2 0=0 3=3                       verdict phrase
+    7+6+0=13 ok                           verification: each column line's sum checked
+    4+5+1=10 ok                           (`line_checks`, stopping at the first "no"), and the
+    3+8+1=12 ok                           verdict phrase
     The answer is correct<eos>
     <revise instruction>                  (only after "The answer is wrong")
     ...Answer: 1203<eos>                  revision: the chain of thought
@@ -20,8 +19,8 @@ SFT warm start (sft.jsonl, one row per problem, the turns before the trained one
 the solution's end-of-text token included as the rollout has it): solution rows; verification rows
 of a correct solution (-> "correct") or of a solution with one wrong column sum (-> "wrong");
 revision rows (a wrong solution, its "wrong" verification, the correct chain of thought). Short
-SFT (configs/quickstart/pag.yaml) leaves the solver and the verifier imperfect: a verifier that
-copies the solution's lines instead of re-deriving them says "correct" to wrong answers.
+SFT (configs/quickstart/pag.yaml) leaves the solver and the verifier imperfect. The line checks
+see wrong column sums only: a misread operand digit (a right sum of the wrong digits) passes them.
 """
 
 from __future__ import annotations
@@ -51,25 +50,29 @@ def wrong_solution(a: int, b: int, rng: random.Random) -> tuple[str, int]:
     return "\n".join(lines + [f"Answer: {answer}"]), answer
 
 
-def digit_check(result: int, claimed: int) -> str:
-    """The recomputed and the claimed answer compared digit by digit from the left, `r=c` for equal
-    digits, `r!c` at the first difference (and nothing after it): each relation is decided by the
-    two digits just written, which a tiny model learns; a verdict after "1203 vs 1193" would need
-    an equality test of two whole numbers, which it did not (the SFT verifier said the same verdict
-    to every answer). A length difference ends the line with the shorter number's digits."""
-    pairs = []
-    for r, c in zip(str(result), str(claimed)):
-        pairs.append(f"{r}={c}" if r == c else f"{r}!{c}")
-        if r != c:
+def line_checks(solution: str) -> list[str]:
+    """Each column line `x+y+c=s ...` of a solution copied up to its sum and marked `ok` when
+    x + y + c == s, `no` at the first line where it is not (nothing after it). The mark is decided
+    by the sum the model just copied and the sum it computes itself at that spot (local); two
+    earlier formats asked for a comparison of whole numbers (`1203 vs 1193`, or digit pairs after
+    recomputing), which the tiny model did not learn: it gave one verdict to every answer."""
+    out = []
+    for line in solution.split("\n"):
+        if line.startswith("Answer:"):
             break
-    return " ".join(pairs)
+        lhs, s = line.split(" ")[0].split("=")
+        ok = sum(int(v) for v in lhs.split("+")) == int(s)
+        out.append(f"{lhs}={s} {'ok' if ok else 'no'}")
+        if not ok:
+            break
+    return out
 
 
-def verification(a: int, b: int, claimed: int) -> str:
-    """Re-derived chain of thought, the digit check against the claimed answer, and the verdict phrase."""
-    lines, result = cot_lines(a, b)
-    verdict = VERDICT_CORRECT if result == claimed else VERDICT_WRONG
-    return "\n".join(lines + [digit_check(result, claimed), verdict])
+def verification(solution: str) -> str:
+    """The line checks of `solution` and the verdict: correct when every column line checks."""
+    checks = line_checks(solution)
+    verdict = VERDICT_WRONG if checks and checks[-1].endswith(" no") else VERDICT_CORRECT
+    return "\n".join(checks + [verdict])
 
 
 def sft_row(a: int, b: int, kind: str, rng: random.Random, verify: str, revise: str) -> dict:
@@ -79,11 +82,11 @@ def sft_row(a: int, b: int, kind: str, rng: random.Random, verify: str, revise: 
     if kind == "solution":
         return {"prompt": prompt, "response": solution}
     if kind == "verification":
-        shown, claimed = (solution, a + b) if rng.random() < 0.5 else wrong_solution(a, b, rng)
-        return {"prompt": prompt + shown + EOS_TOKEN + verify, "response": verification(a, b, claimed)}
+        shown = solution if rng.random() < 0.5 else wrong_solution(a, b, rng)[0]
+        return {"prompt": prompt + shown + EOS_TOKEN + verify, "response": verification(shown)}
     if kind == "revision":
-        shown, claimed = wrong_solution(a, b, rng)
-        context = prompt + shown + EOS_TOKEN + verify + verification(a, b, claimed) + EOS_TOKEN + revise
+        shown = wrong_solution(a, b, rng)[0]
+        context = prompt + shown + EOS_TOKEN + verify + verification(shown) + EOS_TOKEN + revise
         return {"prompt": context, "response": solution}
     raise ValueError(f"pag_arith: unknown SFT row kind {kind!r}")
 

@@ -64,7 +64,14 @@ def presets() -> dict[str, list[str]]:
 
 
 # preset -> overrides its scaled-down run needs besides `scaled_down` (T-PPO: windows below max_new_tokens)
-PRESET_EXTRA = {"algorithms/tppo.yaml": ["rollout.window_tokens=4"]}
+PRESET_EXTRA = {
+    "algorithms/tppo.yaml": ["rollout.window_tokens=4"],
+    # PAG: short instructions, micro-batches that hold all turns (32 + 3 x 12 + the instructions)
+    "algorithms/pag.yaml": ['algorithm.pag.verify_instruction="\\nV\\n"', 'algorithm.pag.revise_instruction="\\nR\\n"',
+                            "actor.max_tokens_per_microbatch=128", "critic.max_tokens_per_microbatch=128"],
+    # the code PRM's labelling and dense rewards need a code task and a trained PRM: tests/distributed/test_prm.py
+    "algorithms/code_prm.yaml": ["prm.dense_reward=false", "prm.init_critic=false"],
+}
 
 
 def moe_extra(config: str, root: Path) -> list[str]:

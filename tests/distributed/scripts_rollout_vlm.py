@@ -18,7 +18,6 @@ import json
 import zlib
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import transformers
@@ -29,23 +28,9 @@ from megarl.parallel.distributed import ParallelSizes, init_distributed
 from megarl.rollout.builtin import BuiltinEngine
 from megarl.rollout.types import SamplingParams
 from megarl.weights import load_hf_weights, stream_hf_weights
-from tests.distributed.scripts_vlm_common import IMAGE, VEND, VSTART, image_processor, make_tiny_vlm
+from tests.distributed.scripts_vlm_common import IMAGE, make_prompt, make_tiny_vlm
 
 MAX_NEW = 6
-
-
-def make_prompt(sizes, seed: int):
-    """(token ids, HF image-processor output or None): text, then each image framed by vision
-    start / end tokens and followed by text."""
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(0, 150, 3).tolist()
-    if not sizes:
-        return ids + rng.integers(0, 150, 5).tolist(), None
-    images = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in sizes]
-    proc = image_processor()(images=images, return_tensors="pt")
-    for n in (proc["image_grid_thw"].prod(-1) // 4).tolist():
-        ids += [VSTART] + [IMAGE] * n + [VEND] + rng.integers(0, 150, 2).tolist()
-    return ids, {"pixel_values": proc["pixel_values"], "image_grid_thw": proc["image_grid_thw"]}
 
 
 @torch.no_grad()

@@ -75,3 +75,17 @@ def hf_vlm_logits(path, ids, pixel_values, grid, mm_types) -> torch.Tensor:
     model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
     return model(input_ids=ids, pixel_values=pixel_values, image_grid_thw=grid,
                  mm_token_type_ids=mm_types).logits.float()
+
+
+def make_prompt(sizes, seed: int):
+    """(token ids, HF image-processor output or None): text, then each image framed by vision
+    start / end tokens and followed by text."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, 150, 3).tolist()
+    if not sizes:
+        return ids + rng.integers(0, 150, 5).tolist(), None
+    images = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in sizes]
+    proc = image_processor()(images=images, return_tensors="pt")
+    for n in (proc["image_grid_thw"].prod(-1) // 4).tolist():
+        ids += [VSTART] + [IMAGE] * n + [VEND] + rng.integers(0, 150, 2).tolist()
+    return ids, {"pixel_values": proc["pixel_values"], "image_grid_thw": proc["image_grid_thw"]}

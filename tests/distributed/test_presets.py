@@ -34,7 +34,12 @@ def train_rows(rows):
 def test_every_preset_ran():
     names = {p.relative_to(REPO / "configs").as_posix() for p in (REPO / "configs").glob("algorithms/*.yaml")}
     names |= {p.relative_to(REPO / "configs").as_posix() for p in (REPO / "configs").glob("recipes/*/*.yaml")}
-    assert len(names) == 17
+    assert len(names) == 20
+
+
+def test_pag_preset_rolls_out_multi_turn_trajectories(result):
+    rows = train_rows(result["algorithms/pag.yaml"]["rows"])
+    assert rows and all(0 <= r["pag/verify_accuracy"] <= 1 and "pag/final_accuracy" in r for r in rows)
 
 
 def test_moe_recipes_ran_at_ep2_on_the_tiny_moe(result):

@@ -6,6 +6,7 @@ import random
 from megarl.rollout.multi_turn import VERDICT_CORRECT, VERDICT_WRONG, parse_verdict
 from megarl.tasks import pag_arith as P
 from megarl.tasks.arith import cot_lines, cot_response
+from megarl.data.templates import apply_template
 from megarl.tasks.tiny_model import EOS_TOKEN
 
 
@@ -25,12 +26,13 @@ def test_a_wrong_step_is_one_column_off_and_followed_consistently():
         assert abs(int(right[first].split("=")[1].split()[0]) - int(wrong[first].split("=")[1].split()[0])) == 1
 
 
-def test_verification_recomputes_and_checks_digit_by_digit():
-    assert P.verification(347, 856, 1203).split("\n") == [
-        "7+6+0=13 3", "4+5+1=10 03", "3+8+1=12 1203", "1=1 2=2 0=0 3=3", VERDICT_CORRECT]
-    assert P.verification(347, 856, 1193).split("\n")[-2:] == ["1=1 2!1", VERDICT_WRONG]  # stops at the first difference
-    assert P.digit_check(1203, 203) == "1!2" and P.digit_check(120, 1203) == "1=1 2=2 0=0"
-    assert parse_verdict(P.verification(347, 856, 1193)) == 0
+def test_verification_checks_each_column_sum_and_stops_at_the_first_wrong_one():
+    right = cot_response(347, 856)
+    assert P.verification(right).split("\n") == ["7+6+0=13 ok", "4+5+1=10 ok", "3+8+1=12 ok", VERDICT_CORRECT]
+    wrong = "\n".join(cot_lines(347, 856, wrong_column=1, delta=-1)[0] + ["Answer: 1193"])
+    # 4+5+1=9 is wrong; 3+8+0=11 after it is right given its (wrong) carry, but the check has stopped
+    assert P.verification(wrong).split("\n") == ["7+6+0=13 ok", "4+5+1=9 no", VERDICT_WRONG]
+    assert parse_verdict(P.verification(wrong)) == 0 and parse_verdict(P.verification(right)) == 1
 
 
 def test_sft_rows_put_the_earlier_turns_in_the_prompt(tmp_path):
@@ -46,6 +48,7 @@ def test_sft_rows_put_the_earlier_turns_in_the_prompt(tmp_path):
             shown = r["prompt"].split(EOS_TOKEN)[0]
             claimed = int(shown.rsplit("Answer: ", 1)[1])
             assert r["prompt"].endswith(EOS_TOKEN + "<V>") and parse_verdict(r["response"]) == int(claimed == a + b)
+            assert r["response"] == P.verification(shown[len(apply_template("arith", r["problem"])):])
         else:
             assert r["prompt"].endswith(VERDICT_WRONG + EOS_TOKEN + "<R>") and r["response"] == cot_response(a, b)
     problems = {json.loads(x)["problem"] for s in ("train", "eval") for x in paths[s].read_text().splitlines()}

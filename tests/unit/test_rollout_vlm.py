@@ -15,24 +15,10 @@ import transformers
 
 from megarl.rollout.builtin import BuiltinEngine
 from megarl.rollout.types import PromptImages, SamplingParams
-from tests.distributed.scripts_vlm_common import IMAGE, VEND, VSTART, image_processor, make_tiny_vlm
+from tests.distributed.scripts_vlm_common import IMAGE, VEND, VSTART, make_prompt, make_tiny_vlm
 
 TOL = 1e-5
 MAX_NEW = 6
-
-
-def make_prompt(sizes, seed: int):
-    """(token ids, HF image-processor output or None): text, then each image framed by vision
-    start / end tokens and followed by text."""
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(0, 150, 3).tolist()
-    if not sizes:
-        return ids + rng.integers(0, 150, 5).tolist(), None
-    images = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in sizes]
-    proc = image_processor()(images=images, return_tensors="pt")
-    for n in (proc["image_grid_thw"].prod(-1) // 4).tolist():
-        ids += [VSTART] + [IMAGE] * n + [VEND] + rng.integers(0, 150, 2).tolist()
-    return ids, {"pixel_values": proc["pixel_values"], "image_grid_thw": proc["image_grid_thw"]}
 
 
 @pytest.fixture(scope="module")
