@@ -32,7 +32,7 @@ from megarl.tasks.tiny_model import EOS_TOKEN
 
 DATA_SOURCE = "pag_sort"
 N_DIGITS = 5
-ROW_KINDS = {"solution": 0.3, "verification": 0.5, "revision": 0.2}  # share of SFT rows of each turn kind
+ROW_KINDS = {"solution": 0.15, "verification": 0.7, "revision": 0.15}  # share of SFT rows of each turn kind
 TABLE_METRICS = tuple(f"eval/pag_sort/{k}" for k in (
     "first_accuracy", "verify_accuracy", "verify_on_correct", "verify_on_wrong", "revised_frac", "final_accuracy"))
 
