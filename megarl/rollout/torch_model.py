@@ -51,7 +51,7 @@ class ModelArgs:
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
     mrope_section: tuple[int, ...] = ()  # qwen2_5_vl: M-RoPE chunks of head_dim / 2 (`torch_vlm`)
-    vision: Any = None  # qwen2_5_vl: `torch_vlm.VisionArgs` of the vision tower
+    vision: Any = None  # qwen2_5_vl: `megarl.models.vision.spec.VisionSpec` of the vision tower
 
 
 def _get(cfg: dict, key: str, default: Any = None) -> Any:

@@ -35,41 +35,10 @@ from torch import nn
 
 from megarl.models.vision import geometry
 from megarl.models.vision.mrope import mrope_position_ids
+from megarl.models.vision.spec import VisionSpec
 from megarl.rollout.torch_model import (
     MLP, DecoderLM, KVCache, ModelArgs, RMSNorm, _common_args, _get, rope_cos_sin)
 from megarl.rollout.types import PromptImages
-
-
-@dataclass(frozen=True)
-class VisionArgs:
-    """The vision tower of a `qwen2_5_vl` config.json (`vision_config`) and its special tokens."""
-
-    depth: int
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    in_channels: int
-    patch_size: int
-    temporal_patch_size: int
-    spatial_merge_size: int
-    window_size: int
-    fullatt_block_indexes: tuple[int, ...]
-    out_hidden_size: int
-    rope_theta: float
-    image_token_id: int
-    video_token_id: int | None
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def patch_dim(self) -> int:
-        return self.in_channels * self.temporal_patch_size * self.patch_size**2
-
-    @property
-    def merged_size(self) -> int:
-        return self.hidden_size * self.spatial_merge_size**2
 
 
 def qwen2_5_vl_args(cfg: dict) -> ModelArgs:
@@ -99,13 +68,13 @@ def qwen2_5_vl_args(cfg: dict) -> ModelArgs:
     if vrope.get("rope_type", "axial") != "axial":
         raise ValueError(f"config.json: vision rope_type={vrope.get('rope_type')!r} is not supported")
     hidden = int(v.get("hidden_size", v.get("embed_dim")))
-    vision = VisionArgs(
-        depth=int(v["depth"]), hidden_size=hidden, intermediate_size=int(v["intermediate_size"]),
-        num_heads=int(v["num_heads"]), in_channels=int(_get(v, "in_channels", _get(v, "in_chans", 3))),
+    vision = VisionSpec(
+        depth=int(v["depth"]), hidden_size=hidden, ffn_hidden_size=int(v["intermediate_size"]),
+        num_heads=int(v["num_heads"]), head_dim=hidden // int(v["num_heads"]), in_channels=int(_get(v, "in_channels", _get(v, "in_chans", 3))),
         patch_size=int(v["patch_size"]), temporal_patch_size=int(_get(v, "temporal_patch_size", 2)),
         spatial_merge_size=int(_get(v, "spatial_merge_size", 2)), window_size=int(v["window_size"]),
         fullatt_block_indexes=tuple(int(i) for i in v.get("fullatt_block_indexes") or ()),
-        out_hidden_size=int(v["out_hidden_size"]), rope_theta=float(vrope.get("rope_theta", 10000.0)),
+        out_hidden_size=int(v["out_hidden_size"]), rope_theta=float(vrope.get("rope_theta", 10000.0)), norm_eps=1e-6,
         image_token_id=int(cfg.get("image_token_id", text.get("image_token_id"))),
         video_token_id=cfg.get("video_token_id", text.get("video_token_id")))
     if vision.out_hidden_size != common["hidden_size"]:
@@ -134,7 +103,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class VisionAttention(nn.Module):
-    def __init__(self, v: VisionArgs):
+    def __init__(self, v: VisionSpec):
         super().__init__()
         self.num_heads, self.scale = v.num_heads, v.head_dim ** -0.5
         self.qkv = nn.Linear(v.hidden_size, 3 * v.hidden_size, bias=True)
@@ -155,12 +124,12 @@ class VisionAttention(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, v: VisionArgs):
+    def __init__(self, v: VisionSpec):
         super().__init__()
-        self.norm1 = RMSNorm(v.hidden_size, 1e-6)
-        self.norm2 = RMSNorm(v.hidden_size, 1e-6)
+        self.norm1 = RMSNorm(v.hidden_size, v.norm_eps)
+        self.norm2 = RMSNorm(v.hidden_size, v.norm_eps)
         self.attn = VisionAttention(v)
-        self.mlp = MLP(SimpleNamespace(hidden_size=v.hidden_size, intermediate_size=v.intermediate_size,
+        self.mlp = MLP(SimpleNamespace(hidden_size=v.hidden_size, intermediate_size=v.ffn_hidden_size,
                                        mlp_bias=True))
 
     def forward(self, x, cu, cos, sin):
@@ -169,9 +138,9 @@ class VisionBlock(nn.Module):
 
 
 class PatchMerger(nn.Module):
-    def __init__(self, v: VisionArgs):
+    def __init__(self, v: VisionSpec):
         super().__init__()
-        self.ln_q = RMSNorm(v.hidden_size, 1e-6)
+        self.ln_q = RMSNorm(v.hidden_size, v.norm_eps)
         self.mlp = nn.Sequential(nn.Linear(v.merged_size, v.merged_size), nn.GELU(),
                                  nn.Linear(v.merged_size, v.out_hidden_size))
         self.merged_size = v.merged_size
@@ -183,7 +152,7 @@ class PatchMerger(nn.Module):
 class VisionTower(nn.Module):
     """HF's `visual`: pixel_values [N, C*tp*p*p] + grid_thw [n, 3] -> [N / m^2, out_hidden_size]."""
 
-    def __init__(self, v: VisionArgs):
+    def __init__(self, v: VisionSpec):
         super().__init__()
         self.v = v
         self.patch_embed = nn.Module()
@@ -344,6 +313,6 @@ def mrope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, section: tupl
     return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
 
 
-__all__ = ["VisionArgs", "VisionContext", "VisionLM", "VisionTower", "as_prompt_images", "check_images",
+__all__ = ["VisionContext", "VisionLM", "VisionTower", "as_prompt_images", "check_images",
            "hf_param_name",
            "mrope_cos_sin", "qwen2_5_vl_args"]

@@ -37,7 +37,7 @@ class VisionSpec:
     rope_theta: float
     norm_eps: float
     image_token_id: int
-    video_token_id: int
+    video_token_id: int | None
 
     @property
     def patch_dim(self) -> int:
