@@ -36,8 +36,21 @@ from megarl.tasks.arith import _unique_pairs, cot_lines, cot_response, write_spl
 from megarl.tasks.tiny_model import EOS_TOKEN
 
 ROW_KINDS = {"solution": 0.5, "verification": 0.3, "revision": 0.2}  # share of SFT rows of each turn kind
-TABLE_METRICS = tuple(f"eval/pag_arith/{k}" for k in (
-    "first_accuracy", "verify_accuracy", "verify_on_correct", "verify_on_wrong", "revised_frac", "final_accuracy"))
+
+
+def pag_table_metrics(task: str) -> tuple[str, ...]:
+    """The eval metrics a PAG task's quickstart table shows (megarl.trainer.pag.turn_stats)."""
+    return tuple(f"eval/{task}/{k}" for k in (
+        "first_accuracy", "verify_accuracy", "verify_on_correct", "verify_on_wrong", "revised_frac", "final_accuracy"))
+
+
+def with_verdict(checks: list[str]) -> str:
+    """Check lines (each ending in `ok` or, the last one possibly, `no`) and the verdict they imply."""
+    verdict = VERDICT_WRONG if checks and checks[-1].endswith(" no") else VERDICT_CORRECT
+    return "\n".join(checks + [verdict])
+
+
+TABLE_METRICS = pag_table_metrics("pag_arith")
 
 
 def wrong_solution(a: int, b: int, rng: random.Random) -> tuple[str, int]:
@@ -70,9 +83,7 @@ def line_checks(solution: str) -> list[str]:
 
 def verification(solution: str) -> str:
     """The line checks of `solution` and the verdict: correct when every column line checks."""
-    checks = line_checks(solution)
-    verdict = VERDICT_WRONG if checks and checks[-1].endswith(" no") else VERDICT_CORRECT
-    return "\n".join(checks + [verdict])
+    return with_verdict(line_checks(solution))
 
 
 def sft_row(a: int, b: int, kind: str, rng: random.Random, verify: str, revise: str) -> dict:

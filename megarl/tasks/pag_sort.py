@@ -26,15 +26,14 @@ import json
 import random
 from pathlib import Path
 
-from megarl.rollout.multi_turn import VERDICT_CORRECT, VERDICT_WRONG
 from megarl.tasks import QUICKSTART_TASKS, QuickstartTask
+from megarl.tasks.pag_arith import pag_table_metrics, with_verdict
 from megarl.tasks.tiny_model import EOS_TOKEN
 
 DATA_SOURCE = "pag_sort"
 N_DIGITS = 5
 ROW_KINDS = {"solution": 0.15, "verification": 0.7, "revision": 0.15}  # share of SFT rows of each turn kind
-TABLE_METRICS = tuple(f"eval/pag_sort/{k}" for k in (
-    "first_accuracy", "verify_accuracy", "verify_on_correct", "verify_on_wrong", "revised_frac", "final_accuracy"))
+TABLE_METRICS = pag_table_metrics("pag_sort")
 
 
 def problem_text(digits: str) -> str:
@@ -83,9 +82,7 @@ def checks(digits: str, answer: str) -> list[str]:
 
 
 def verification(digits: str, answer: str) -> str:
-    lines = checks(digits, answer)
-    verdict = VERDICT_WRONG if lines and lines[-1].endswith(" no") else VERDICT_CORRECT
-    return "\n".join(lines + [verdict])
+    return with_verdict(checks(digits, answer))
 
 
 def sft_row(digits: str, kind: str, rng: random.Random, verify: str, revise: str) -> dict:
