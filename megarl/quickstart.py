@@ -3,9 +3,10 @@
 `megarl quickstart [--nproc 2] [--config configs/quickstart.yaml] [key=value ...]` spawns
 torchrun with gloo ranks running `python -m megarl.quickstart`, which:
 
-1. builds a tiny model (`quickstart.family`: dense Qwen2, or Qwen3-MoE / Qwen2-MoE with
-   `quickstart.num_experts` experts, top `quickstart.moe_topk`) + byte tokenizer from scratch and
-   writes the synthetic arithmetic task (chain of thought ending in `Answer: <n>`),
+1. builds a tiny model (`quickstart.family`: dense Qwen2, Qwen3-MoE / Qwen2-MoE with
+   `quickstart.num_experts` experts, top `quickstart.moe_topk`, or the vision-language Qwen2.5-VL
+   with its image processor) + byte tokenizer from scratch and writes the task `quickstart.task`
+   (default: synthetic arithmetic, a chain of thought ending in `Answer: <n>`),
 2. converts the HF model to a Megatron torch_dist checkpoint at the configured TP/PP/EP,
 3. warm-starts it with SFT (deliberately short, so there is room to learn; a finished SFT of the
    same run dir with the same sft.* settings is reused),
@@ -85,12 +86,10 @@ def worker(argv: list[str]) -> None:
     # 1. tiny model, tokenizer and task data (rank 0 writes, everyone waits)
     model_dir, task_dir = run / "tiny_model", run / "task"
     if rank0:
-        from megarl.tasks.tiny_model import save_tiny_model
-
         run.mkdir(parents=True, exist_ok=True)
         save_config(cfg, str(run / "config.yaml"))
         with phase("build"):
-            _write_once(model_dir, lambda tmp: save_tiny_model(tmp, tiny_model_spec(cfg)))
+            _write_once(model_dir, lambda tmp: save_quickstart_model(tmp, cfg))
             _write_once(task_dir, lambda tmp: task.write_files(tmp, cfg))
     dist.barrier()
     _check_built_model(model_dir, cfg)
@@ -188,6 +187,18 @@ def _critic_sft(run: Path, cfg, sft_out: dict) -> str:
     return out["checkpoint"]
 
 
+def save_quickstart_model(out: Path, cfg) -> None:
+    """The tiny model of `quickstart.family` (tokenizer, weights; a VLM also its image processor)."""
+    if cfg.quickstart.family == "qwen2_5_vl":
+        from megarl.tasks.tiny_vlm import save_tiny_vlm
+
+        save_tiny_vlm(out, seed=cfg.trainer.seed)
+        return
+    from megarl.tasks.tiny_model import save_tiny_model
+
+    save_tiny_model(out, tiny_model_spec(cfg))
+
+
 def tiny_model_spec(cfg):
     """The tiny model of this quickstart: the default sizes, `quickstart.*` picks the family."""
     from megarl.tasks.tiny_model import TinyModelSpec
@@ -204,6 +215,11 @@ def _check_built_model(model_dir: Path, cfg) -> None:
     from transformers import AutoConfig
 
     built = AutoConfig.from_pretrained(model_dir)
+    if (built.model_type == "qwen2_5_vl") != (cfg.quickstart.family == "qwen2_5_vl"):
+        raise SystemExit(f"quickstart: {model_dir} holds a tiny {built.model_type} model, but quickstart.family is "
+                         f"{cfg.quickstart.family!r}; use another trainer.run_dir")
+    if built.model_type == "qwen2_5_vl":
+        return
     spec = tiny_model_spec(cfg)
     want = {"model_type": spec.family, "num_experts": spec.num_experts or None,
             "num_experts_per_tok": spec.moe_topk or None, "moe_intermediate_size": spec.moe_intermediate or None}
@@ -271,7 +287,7 @@ def _print_table(cfg, sft_out, before, after, t_sft, t_rl, wall, extra=()) -> No
     from rich.table import Table
 
     q, p = cfg.quickstart, cfg.parallel
-    model = q.family if q.family == "qwen2" else f"{q.family} {q.num_experts} experts top-{q.moe_topk}"
+    model = q.family if q.family in ("qwen2", "qwen2_5_vl") else f"{q.family} {q.num_experts} experts top-{q.moe_topk}"
     t = Table(title=f"megarl quickstart ({cfg.algorithm.name}, {model}, TP={p.tp} EP={p.ep})")
     t.add_column("phase")
     t.add_column("steps", justify="right")

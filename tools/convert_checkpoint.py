@@ -14,8 +14,9 @@ one random batch (packed THD like the trainer; --packed: variable lengths) throu
 transformers and the Megatron model (fp32) at tp x pp x cp and prints `max_abs_logit_diff=<float>`;
 with --grad also `max_rel_grad_diff=<float>` (max over parameters of |g_megatron - g_hf| / |g_hf|
 for the summed log-likelihood, through the trainer's TrainModel path) as its last line. It exits 1
-when a difference exceeds --tol. For vision-language models (qwen2_5_vl) verify feeds random
-images with the random text (megarl.models.vision.verify; no --grad / --packed yet).
+when a difference exceeds --tol. For vision-language models (qwen2_5_vl; qwen3_vl_moe, also with
+--ep) verify feeds random images with the random text (megarl.models.vision.verify; no --grad /
+--packed yet).
 """
 
 from __future__ import annotations

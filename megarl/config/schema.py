@@ -79,6 +79,10 @@ class ModelConfig:
     freeze_router: bool = doc_field(
         False, "MoE: the routers' weights get no gradient and no optimizer state (they stay as loaded)"
     )
+    freeze_vision: bool = doc_field(
+        False, "vision-language models: the vision tower (patch embedding, blocks, merger) gets no gradient and no "
+        "optimizer state in the trained models (actor, critic)"
+    )
 
 
 @dataclass
@@ -111,7 +115,15 @@ class DataConfig:
     default_data_source: str = doc_field("math", "reward route for rows without source_key")
     prompt_template: str = doc_field("dapo", "prompt template name (dapo, boxed, raw, chat; see megarl.data)")
     apply_chat_template: bool = doc_field(False, "wrap the templated prompt with the tokenizer's chat template")
-    max_prompt_len: int = doc_field(2048, "prompts longer than this many tokens are skipped and counted")
+    max_prompt_len: int = doc_field(2048, "prompts longer than this many tokens (image tokens included) are skipped and counted")
+    image_key: str = doc_field(
+        "images", "row field holding a row's images (vision-language models): paths relative to the data file, "
+        "base64 / data URIs, or {bytes|path} mappings"
+    )
+    image_placeholder: str = doc_field("<image>", "marker in the prompt text where each image goes (none: images first)")
+    max_image_tokens: int | None = doc_field(
+        None, "rows with an image of more tokens than this (after the processor's resize) are skipped and counted; null = no limit"
+    )
     shuffle: bool = doc_field(True, "shuffle the training prompts every epoch")
     seed: int = doc_field(42, "data shuffling seed")
     first_sources: list[str] = doc_field(
@@ -367,8 +379,9 @@ class QuickstartConfig:
     task: str = doc_field(
         "arith", "synthetic task megarl quickstart writes and trains on: a name registered in megarl.tasks "
         "(module megarl.tasks.<task>), e.g. arith")
-    family: Literal["qwen2", "qwen3_moe", "qwen2_moe"] = doc_field(
-        "qwen2", "tiny model that megarl quickstart builds: dense Qwen2, or Qwen3-MoE / Qwen2-MoE (shared expert)")
+    family: Literal["qwen2", "qwen3_moe", "qwen2_moe", "qwen2_5_vl"] = doc_field(
+        "qwen2", "tiny model that megarl quickstart builds: dense Qwen2, Qwen3-MoE / Qwen2-MoE (shared expert), or "
+        "the vision-language Qwen2.5-VL (megarl.tasks.tiny_vlm, with its image processor)")
     num_experts: int = doc_field(8, "experts per MoE layer of the tiny MoE model (MoE families only)")
     moe_topk: int = doc_field(2, "experts each token is routed to (MoE families only)")
     moe_intermediate: int = doc_field(

@@ -64,6 +64,9 @@ def validate_config(cfg: MegaRLConfig, where: Callable[[str], str] | None = None
     e.check(m.moe_aux_loss_coeff >= 0, "model.moe_aux_loss_coeff", f"must be >= 0, got {m.moe_aux_loss_coeff}")
 
     e.check(d.max_prompt_len >= 1, "data.max_prompt_len", f"must be >= 1, got {d.max_prompt_len}")
+    e.check(d.max_image_tokens is None or d.max_image_tokens >= 1, "data.max_image_tokens",
+            f"must be >= 1 or null, got {d.max_image_tokens}")
+    e.check(bool(d.image_placeholder), "data.image_placeholder", "must be a non-empty string")
     e.check(d.first_sources_decay in ("linear", "step"), "data.first_sources_decay",
             f"must be linear or step, got {d.first_sources_decay!r}")
     e.check(not d.first_sources or d.first_sources_steps >= 1, "data.first_sources_steps",
@@ -302,11 +305,12 @@ def validate_model(cfg: MegaRLConfig, hf_config: Any) -> None:
     experts by EP, heads by the rollout TP. ``hf_config`` is an HF config object or its dict."""
     e = _Errors(None)
     p = cfg.parallel
-    heads = _get(hf_config, "num_attention_heads")
-    kv = _get(hf_config, "num_key_value_heads", default=heads)
-    layers = _get(hf_config, "num_hidden_layers")
-    ffn = _get(hf_config, "intermediate_size")
-    experts = _get(hf_config, "num_experts", "num_local_experts", "n_routed_experts")
+    text = _get(hf_config, "text_config") or hf_config  # a vision-language config keeps its LM in text_config
+    heads = _get(text, "num_attention_heads")
+    kv = _get(text, "num_key_value_heads", default=heads)
+    layers = _get(text, "num_hidden_layers")
+    ffn = _get(text, "intermediate_size")
+    experts = _get(text, "num_experts", "num_local_experts", "n_routed_experts")
     if heads is None or layers is None:
         raise ConfigError("validate_model: hf config lacks num_attention_heads / num_hidden_layers")
     e.check(heads % p.tp == 0, "parallel.tp", f"num_attention_heads={heads} is not divisible by tp={p.tp}")
@@ -323,6 +327,8 @@ def validate_model(cfg: MegaRLConfig, hf_config: Any) -> None:
     # megatron's MoE layer refuses to train at TP > 1 without sequence parallelism
     e.check(not experts or p.tp == 1 or cfg.model.sequence_parallel, "model.sequence_parallel",
             f"an MoE model (num_experts={experts}) at parallel.tp={p.tp} trains only with sequence parallelism")
+    e.check(not cfg.model.freeze_vision or _get(hf_config, "vision_config") is not None, "model.freeze_vision",
+            "freezes the vision tower, but the HF config has no vision_config (a text-only model): set it to false")
     e.check(bool(experts) or not cfg.algorithm.routing_replay, "algorithm.routing_replay",
             "replays the experts of an MoE model, but the HF config has no num_experts (a dense model): set it to false")
     e.check(bool(experts) or not cfg.model.freeze_router, "model.freeze_router",

@@ -36,6 +36,8 @@ class PromptItem:
     extra: dict[str, Any] = field(default_factory=dict)
     prompt_ids: list[int] | None = None  # set by tokenize_dataset
     reference: str | None = None  # reference / anchor response (GenRM, Pairwise-RL)
+    row: int = 0  # row number in its file (messages)
+    images: list | None = None  # vision-language models: the row's checked ImageRefs (megarl.data.images)
 
 
 @dataclass
@@ -151,7 +153,7 @@ def _load_file(path: Path, keys: dict[str, str], default_source: str, seen: set[
         seen.add(uid)
         extra = {k: v for k, v in row.items() if k not in keys.values()}
         items.append(PromptItem(uid, fields["prompt"], fields["answer"], fields["source"], extra,
-                                reference=fields["reference"]))
+                                reference=fields["reference"], row=rownum))
     return items, skipped
 
 
@@ -193,14 +195,27 @@ def load_prompt_dataset(path: str | Path, *, prompt_key: str = "problem", answer
 
 
 def tokenize_dataset(dataset: PromptDataset, tokenizer: Any, *, template: str, max_prompt_len: int,
-                     apply_chat_template: bool = False) -> PromptDataset:
+                     apply_chat_template: bool = False, images: Any = None, image_key: str = "images") -> PromptDataset:
     """A copy of `dataset` whose items carry `prompt_ids`; prompts longer than `max_prompt_len`
-    tokens are dropped and listed in `too_long` as ``(uid, n_tokens)`` with a warning."""
+    tokens are dropped and listed in `too_long` as ``(uid, n_tokens)`` with a warning.
+
+    images: a `megarl.data.images.ImageInputs` (vision-language models): rows with `image_key`
+    get their images checked and their placeholders expanded (image tokens count towards
+    max_prompt_len); a row with an unusable image is skipped into `skipped` with its reason."""
     if max_prompt_len < 1:
         raise ValueError(f"max_prompt_len must be >= 1, got {max_prompt_len}")
-    kept, too_long = [], []
+    kept, too_long, skipped = [], [], []
+    base_dir = Path(dataset.path) if Path(dataset.path).is_dir() else Path(dataset.path).parent
     for item in dataset.items:
-        ids = render_prompt(item, template, tokenizer, apply_chat_template)
+        if images is not None and item.extra.get(image_key) is not None:
+            try:
+                item, ids = _with_images(item, item.extra[image_key], images, base_dir, template, tokenizer,
+                                         apply_chat_template)
+            except ValueError as e:  # ImageError
+                skipped.append((item.row, f"id {item.uid!r}: {e}"))
+                continue
+        else:
+            ids = render_prompt(item, template, tokenizer, apply_chat_template)
         if len(ids) > max_prompt_len:
             too_long.append((item.uid, len(ids)))
         else:
@@ -209,6 +224,21 @@ def tokenize_dataset(dataset: PromptDataset, tokenizer: Any, *, template: str, m
         first = ", ".join(f"{uid} ({n} tokens)" for uid, n in too_long[:5])
         logger.warning("prompt dataset %s: skipped %d prompt(s) longer than max_prompt_len=%d: %s%s",
                        dataset.path, len(too_long), max_prompt_len, first, ", ..." if len(too_long) > 5 else "")
+    if skipped:
+        logger.warning("prompt dataset %s: skipped %d row(s) with unusable images: %s%s", dataset.path, len(skipped),
+                       "; ".join(f"row {r}: {why}" for r, why in skipped[:5]), "; ..." if len(skipped) > 5 else "")
     if not kept:
-        raise ValueError(f"prompt dataset {dataset.path}: every prompt is longer than max_prompt_len={max_prompt_len}")
-    return PromptDataset(kept, dataset.path, list(dataset.skipped), too_long)
+        raise ValueError(f"prompt dataset {dataset.path}: no usable prompt ({len(too_long)} longer than "
+                         f"max_prompt_len={max_prompt_len}, {len(skipped)} with unusable images)")
+    return PromptDataset(kept, dataset.path, list(dataset.skipped) + skipped, too_long)
+
+
+def _with_images(item: PromptItem, raw: Any, images: Any, base_dir: Path, template: str, tokenizer: Any,
+                 apply_chat_template: bool) -> tuple[PromptItem, list[int]]:
+    """(item with its checked image refs and marked prompt, prompt ids with the image pads expanded)."""
+    from megarl.data.images import image_refs
+
+    refs = image_refs(raw, base_dir)
+    counts = images.check(refs)
+    item = replace(item, prompt=images.with_markers(item.prompt, len(refs)), images=refs)
+    return item, images.expand(render_prompt(item, template, tokenizer, apply_chat_template), counts)

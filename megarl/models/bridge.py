@@ -17,6 +17,10 @@ local expert i of expert-parallel rank e (of ep) is HF expert g = e * (E/ep) + i
 shards taken over the expert-tensor-parallel group (`ParamMap.expert`; `expert_hf_names` lists
 the HF names of the same local slot on every EP rank, the order the weight stream gathers them).
 
+Qwen3-VL-MoE (`ArchSpec.hf_prefix` = `model.language_model.`, `ArchSpec.hf_fused_experts`) keeps all
+experts of a layer in two HF tensors: layouts `experts_gate_up` / `experts_down`
+(`megarl.models.vision.qwen3_vl_bridge`), whose `ParamMap.hf_expert` is the expert's index g in them.
+
 Norm names of both layer specs are accepted: local (`input_layernorm`, `pre_mlp_layernorm`) and
 TE, which fuses them into `linear_qkv.layer_norm_weight` / `linear_fc1.layer_norm_weight`.
 Layer indices are global: megatron's own `TransformerLayer.layer_number - 1` (PP/VPP offset).
@@ -32,7 +36,8 @@ import torch
 
 from megarl.models.families import ArchSpec
 
-LAYOUTS = ("replicated", "vocab", "row", "qkv", "fc1", "col", "fused_qkv")  # the last two: vision towers
+LAYOUTS = ("replicated", "vocab", "row", "qkv", "fc1", "col", "fused_qkv",  # col, fused_qkv: vision towers
+           "experts_gate_up", "experts_down")  # fused HF expert tensors (qwen3_vl_moe)
 
 _LAYER_RULES: dict[str, tuple[tuple[str, ...], str]] = {
     "input_layernorm.weight": (("input_layernorm.weight",), "replicated"),
@@ -73,6 +78,7 @@ class ParamMap:
     export: bool = True  # False: a copy of another exported tensor (tied output layer on last PP stage)
     optional: bool = False  # may be absent from an HF checkpoint (value head of a fresh critic)
     expert: int | None = None  # local expert slot: sharded over expert-TP, one expert per EP rank
+    hf_expert: int | None = None  # fused expert layouts: the expert's index g in the HF tensor
 
 
 def _ep() -> tuple[int, int]:
@@ -84,9 +90,10 @@ def _ep() -> tuple[int, int]:
 def expert_hf_names(pm: ParamMap, spec: ArchSpec, ep: int) -> tuple[str, ...]:
     """HF names of local expert slot `pm.expert` on EP ranks 0..ep-1 (rank-major)."""
     local = spec.num_experts // ep
-    layer = re.match(r"^model\.layers\.(\d+)\.", pm.hf_names[0]).group(1)
+    prefix = spec.hf_prefix
+    layer = re.match(rf"^{re.escape(prefix)}layers\.(\d+)\.", pm.hf_names[0]).group(1)
     suffixes, _ = _EXPERT_RULES[pm.megatron_name.rsplit(".mlp.experts.local_experts.", 1)[1].split(".", 1)[1]]
-    return tuple(f"model.layers.{layer}.mlp.experts.{r * local + pm.expert}.{s}"
+    return tuple(f"{prefix}layers.{layer}.mlp.experts.{r * local + pm.expert}.{s}"
                  for r in range(ep) for s in suffixes)
 
 
@@ -95,32 +102,38 @@ def map_param(name: str, model, spec: ArchSpec) -> ParamMap:
     if spec.vision is not None and name.startswith("vision_model."):  # megarl.models.vision.bridge
         from megarl.models.vision.bridge import map_vision_param
 
-        return map_vision_param(name, ParamMap)
+        return map_vision_param(name, ParamMap, spec.vision)
+    prefix = spec.hf_prefix
     if name == "embedding.word_embeddings.weight":
-        return ParamMap(name, ("model.embed_tokens.weight",), "vocab")
+        return ParamMap(name, (f"{prefix}embed_tokens.weight",), "vocab")
     if name == "decoder.final_layernorm.weight":
-        return ParamMap(name, ("model.norm.weight",), "replicated")
+        return ParamMap(name, (f"{prefix}norm.weight",), "replicated")
     if name == "output_layer.weight":
         from megarl.models.value_head import ValueHead
 
         if isinstance(model.output_layer, ValueHead):
             return ParamMap(name, (VALUE_HEAD_HF_NAME,), "replicated", optional=True)
         if model.share_embeddings_and_output_weights:
-            return ParamMap(name, ("model.embed_tokens.weight",), "vocab", export=False)
+            return ParamMap(name, (f"{prefix}embed_tokens.weight",), "vocab", export=False)
         return ParamMap(name, ("lm_head.weight",), "vocab")
     m = _LAYER_RE.match(name)
     if m and m.group(2) in _LAYER_RULES:
         layer = model.decoder.layers[int(m.group(1))].layer_number - 1
         suffixes, layout = _LAYER_RULES[m.group(2)]
-        return ParamMap(name, tuple(f"model.layers.{layer}.{s}" for s in suffixes), layout)
+        return ParamMap(name, tuple(f"{prefix}layers.{layer}.{s}" for s in suffixes), layout)
     e = _EXPERT_RE.match(m.group(2)) if m else None
     if e and e.group(2) in _EXPERT_RULES:
         layer = model.decoder.layers[int(m.group(1))].layer_number - 1
         ep, ep_rank = _ep()
         slot = int(e.group(1))
         g = ep_rank * (spec.num_experts // ep) + slot
+        if spec.hf_fused_experts:
+            from megarl.models.vision.qwen3_vl_bridge import fused_expert_names
+
+            hf, layout = fused_expert_names(prefix, layer)[e.group(2)]
+            return ParamMap(name, (hf,), layout, expert=slot, hf_expert=g)
         suffixes, layout = _EXPERT_RULES[e.group(2)]
-        return ParamMap(name, tuple(f"model.layers.{layer}.mlp.experts.{g}.{s}" for s in suffixes), layout,
+        return ParamMap(name, tuple(f"{prefix}layers.{layer}.mlp.experts.{g}.{s}" for s in suffixes), layout,
                         expert=slot)
     raise KeyError(f"no HF mapping for megatron parameter {name!r} (model_type={spec.model_type!r})")
 
@@ -132,9 +145,9 @@ def param_maps(model, spec: ArchSpec) -> list[tuple[ParamMap, torch.nn.Parameter
 
 def expected_hf_shapes(spec: ArchSpec, value_head: bool = False) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every HF tensor of the whole model (all stages)."""
-    h, d, f = spec.hidden_size, spec.head_dim, spec.ffn_hidden_size
+    h, d, f, prefix = spec.hidden_size, spec.head_dim, spec.ffn_hidden_size, spec.hf_prefix
     q, kv = spec.num_attention_heads * d, spec.num_query_groups * d
-    shapes = {"model.embed_tokens.weight": (spec.vocab_size, h), "model.norm.weight": (h,)}
+    shapes = {f"{prefix}embed_tokens.weight": (spec.vocab_size, h), f"{prefix}norm.weight": (h,)}
     if value_head:
         shapes[VALUE_HEAD_HF_NAME] = (1, h)
     elif not spec.tie_word_embeddings:
@@ -155,14 +168,18 @@ def expected_hf_shapes(spec: ArchSpec, value_head: bool = False) -> dict[str, tu
             del layer[k]
         fe, fs = spec.moe_ffn_hidden_size, spec.shared_expert_ffn_hidden_size
         layer["mlp.gate.weight"] = (spec.num_experts, h)
-        for g in range(spec.num_experts):
+        for g in range(0 if spec.hf_fused_experts else spec.num_experts):
             layer.update({f"mlp.experts.{g}.gate_proj.weight": (fe, h), f"mlp.experts.{g}.up_proj.weight": (fe, h),
                           f"mlp.experts.{g}.down_proj.weight": (h, fe)})
         if fs:
             layer.update({"mlp.shared_expert.gate_proj.weight": (fs, h), "mlp.shared_expert.up_proj.weight": (fs, h),
                           "mlp.shared_expert.down_proj.weight": (h, fs), "mlp.shared_expert_gate.weight": (1, h)})
     for i in range(spec.num_layers):
-        shapes.update({f"model.layers.{i}.{k}": v for k, v in layer.items()})
+        shapes.update({f"{prefix}layers.{i}.{k}": v for k, v in layer.items()})
+        if spec.num_experts and spec.hf_fused_experts:
+            from megarl.models.vision.qwen3_vl_bridge import fused_expert_shapes
+
+            shapes.update(fused_expert_shapes(prefix, i, spec.num_experts, h, spec.moe_ffn_hidden_size))
     if spec.vision is not None:
         from megarl.models.vision.bridge import vision_hf_shapes
 
@@ -223,6 +240,10 @@ def read_shard(pm: ParamMap, reader: SliceReader, spec: ArchSpec, local_shape: t
         from megarl.models.vision.bridge import read_fused_qkv
 
         return read_fused_qkv(reader, names[0], spec.vision.head_dim, tp_rank, tp)
+    if layout in ("experts_gate_up", "experts_down"):
+        from megarl.models.vision.qwen3_vl_bridge import read_fused_expert
+
+        return read_fused_expert(reader, names[0], layout, pm.hf_expert, tp_rank, tp)
     raise ValueError(f"unknown layout {layout!r}")
 
 
@@ -243,6 +264,10 @@ def hf_shapes(pm: ParamMap, local_shape: tuple[int, ...], spec: ArchSpec, tp: in
         return [(local_shape[0] // 2 * tp, *rest)] * 2
     if pm.layout in ("col", "fused_qkv"):
         return [(local_shape[0] * tp, *rest)]
+    if pm.layout in ("experts_gate_up", "experts_down"):
+        from megarl.models.vision.qwen3_vl_bridge import fused_expert_hf_shape
+
+        return [fused_expert_hf_shape(pm.layout, tuple(local_shape), spec.num_experts, tp)]
     raise ValueError(f"unknown layout {pm.layout!r}")
 
 
@@ -270,6 +295,10 @@ def merge_shards(pm: ParamMap, shards: list[torch.Tensor], spec: ArchSpec) -> li
         from megarl.models.vision.bridge import merge_fused_qkv
 
         return [merge_fused_qkv(shards, spec.vision.head_dim)]
+    if pm.layout in ("experts_gate_up", "experts_down"):  # shards: the local experts stacked (dim 0)
+        from megarl.models.vision.qwen3_vl_bridge import merge_fused_experts
+
+        return [merge_fused_experts(pm.layout, shards)]
     raise ValueError(f"unknown layout {pm.layout!r}")
 
 

@@ -232,8 +232,6 @@ def build_model(hf_config: Any, *, dtype: torch.dtype | str = torch.float32, imp
     lspec = layer_spec(spec, impl)
     # a vision-language config keeps the LM's RoPE settings in text_config
     inv_freq = hf_inv_freq(hf_config.text_config if spec.vision is not None else hf_config, spec.head_dim)
-    if spec.vision is not None and value_head:
-        raise ValueError(f"model_type={spec.model_type!r}: value heads (critics) are not supported yet")
     vp_size = ps.get_virtual_pipeline_model_parallel_world_size()
     chunks = []
     for vp_stage in range(vp_size or 1):
@@ -246,14 +244,19 @@ def build_model(hf_config: Any, *, dtype: torch.dtype | str = torch.float32, imp
             share_embeddings_and_output_weights=tied, position_embedding_type="rope",
             rotary_base=spec.rope_theta, vp_stage=vp,
         )
-        if value_head:
+        if value_head and spec.vision is not None:  # a vision-language critic
+            from megarl.models.value_head import value_model_class
+            from megarl.models.vision import model_class
+
+            model = value_model_class(model_class(spec))(seed=seed, arch_spec=spec, **kwargs)
+        elif value_head:
             from megarl.models.value_head import ValueModel
 
             model = ValueModel(seed=seed, **kwargs)
         elif spec.vision is not None:  # GPTModel + vision tower on the first stage, M-RoPE
-            from megarl.models.vision.model import Qwen2_5_VLModel
+            from megarl.models.vision import model_class
 
-            model = Qwen2_5_VLModel(arch_spec=spec, **kwargs)
+            model = model_class(spec)(arch_spec=spec, **kwargs)
         else:
             model = GPTModel(**kwargs)
         model.rotary_pos_emb.inv_freq = inv_freq.clone().to(model.rotary_pos_emb.inv_freq.device)

@@ -51,6 +51,10 @@ class ArchSpec:
     # (None = plain 1-D RoPE) and the vision tower's facts (a `VisionSpec`; None = text only).
     mrope_section: tuple[int, ...] | None = None
     vision: Any = None
+    # HF checkpoint naming: prefix of the LM's tensors (`model.language_model.` in Qwen3-VL) and
+    # whether each layer's experts are two fused tensors (`megarl.models.vision.qwen3_vl_bridge`)
+    hf_prefix: str = "model."
+    hf_fused_experts: bool = False
 
 
 _FAMILIES: dict[str, Callable[[Any], ArchSpec]] = {}

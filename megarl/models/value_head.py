@@ -37,8 +37,9 @@ class ValueHead(MegatronModule):
         return F.linear(hidden_states, self.weight), None
 
 
-class ValueModel(GPTModel):
-    """GPTModel with `output_layer` replaced by ValueHead; forward returns values [b, s, 1]."""
+class ValueHeadMixin:
+    """Replaces a GPTModel subclass's `output_layer` by ValueHead (forward returns values [b, s, 1])
+    and stores its weight under VALUE_HEAD_KEY."""
 
     def __init__(self, *, seed: int | None = None, **kwargs):
         if kwargs.get("share_embeddings_and_output_weights"):
@@ -54,3 +55,17 @@ class ValueModel(GPTModel):
             sd[key].key = f"{prefix}{VALUE_HEAD_KEY}"
             sd[key].allow_shape_mismatch = False
         return sd
+
+
+class ValueModel(ValueHeadMixin, GPTModel):
+    """GPTModel with `output_layer` replaced by ValueHead; forward returns values [b, s, 1]."""
+
+
+_VALUE_CLASSES: dict[type, type] = {}
+
+
+def value_model_class(base: type) -> type:
+    """`base` (a GPTModel subclass, e.g. a vision-language model class) with the value head."""
+    if base not in _VALUE_CLASSES:
+        _VALUE_CLASSES[base] = type(f"{base.__name__}Value", (ValueHeadMixin, base), {"__doc__": ValueHeadMixin.__doc__})
+    return _VALUE_CLASSES[base]

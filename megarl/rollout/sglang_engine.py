@@ -115,6 +115,7 @@ class SGLangEngine:
         self.bucket_bytes = bucket_bytes
         self.cpu_backup = enable_weights_cpu_backup
         config = read_config(self.model_path)
+        config = {**config, **(config.get("text_config") or {})}  # a vision-language model's LM settings
         self.max_context = int(server_kwargs.get("context_length")
                                or config.get("max_position_embeddings") or 0) or None
         self.vocab_size = int(config["vocab_size"])
@@ -169,14 +170,20 @@ class SGLangEngine:
 
     # ------------------------------------------------------------------ generation
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Sample]:
-        return run_on_owner(lambda: self._generate(prompts, sampling), self.group)
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
+                 images: Sequence | None = None) -> list[Sample]:
+        """images: vision-language models, one `PromptImages` (or None) per prompt; the prompts hold
+        the expanded image pad tokens, as HF's processor writes them."""
+        return run_on_owner(lambda: self._generate(prompts, sampling, images), self.group)
 
     def continue_samples(self, samples: Sequence[Sample], sampling: SamplingParams) -> list[Sample]:
         return run_on_owner(lambda: self._continue(samples, sampling), self.group)
 
-    def _generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Sample]:
+    def _generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
+                  images: Sequence | None = None) -> list[Sample]:
         self._check(sampling)
+        if images is not None and len(images) != len(prompts):
+            raise ValueError(f"{len(images)} image entries for {len(prompts)} prompts")
         prompts = [self._check_ids(p, f"prompt {i}") for i, p in enumerate(prompts)]
         for i, p in enumerate(prompts):
             if len(p) >= self._context():
@@ -187,9 +194,10 @@ class SGLangEngine:
                                               for j in range(sampling.n)])
         budgets = [segment_budget(len(p), 0, sampling, self._context()) for _, p in rows]
         self._routing.clear()
-        segments = self._segments([p for _, p in rows], budgets, sampling, True, seeds)
+        row_images = None if images is None else [images[i] for i, _ in rows]
+        segments = self._segments([p for _, p in rows], budgets, sampling, True, seeds, row_images)
         return [Sample(prompt_ids=list(p), response_ids=ids, logprobs=lps, finish_reason=reason,
-                       text=self._decode(ids), index=i,
+                       text=self._decode(ids), index=i, images=None if images is None else images[i],
                        meta={"weight_versions": [self.weight_version]}, routed_experts=self._routed(p + ids))
                 for (i, p), (ids, lps, reason) in zip(rows, segments)]
 
@@ -212,7 +220,8 @@ class SGLangEngine:
                 keys.append((s.index, k))
         seeds = request_seeds(sampling.seed, keys, stream="continue")
         self._routing.clear()
-        segments = dict(zip(todo, self._segments(contexts, budgets, sampling, False, seeds)))
+        segments = dict(zip(todo, self._segments(contexts, budgets, sampling, False, seeds,
+                                                 [samples[k].images for k in todo])))
         out = []
         for k, s in enumerate(samples):
             ids, lps, reason = segments.get(k, ([], [], "length"))
@@ -221,18 +230,20 @@ class SGLangEngine:
             meta["weight_versions"] = list(meta.get("weight_versions", [])) + [self.weight_version]
             out.append(Sample(prompt_ids=list(s.prompt_ids), response_ids=response,
                               logprobs=list(s.logprobs) + lps, finish_reason=reason,
-                              text=self._decode(response), index=s.index, meta=meta,
+                              text=self._decode(response), index=s.index, meta=meta, images=s.images,
                               routed_experts=self._routed(list(s.prompt_ids) + response) if ids else None))
         return out
 
-    def _segments(self, contexts, budgets, sampling, fire, seeds):
+    def _segments(self, contexts, budgets, sampling, fire, seeds, images=None):
         if not contexts:
             return []
         return run_segment(self._call, contexts, [b for b, _ in budgets],
-                           [w for _, w in budgets], sampling, fire, seeds)
+                           [w for _, w in budgets], sampling, fire, seeds, images)
 
     def _call(self, call: GenerateCall) -> list[dict]:
         extra = {"return_routed_experts": True} if self.return_routed_experts else {}
+        if call.images is not None:
+            extra["image_data"] = image_data(call.images)
         outputs = self._engine.generate(input_ids=call.input_ids,
                                         sampling_params=call.sampling_params, return_logprob=True, **extra)
         outputs = outputs if isinstance(outputs, list) else [outputs]
@@ -394,3 +405,11 @@ def decode_routed_experts(value: Any, tokens: int, shape: tuple[int, int]) -> to
         raise ValueError(f"SGLang routed_experts has {flat.numel()} entries, expected {tokens} tokens x "
                          f"{layers} layers x top-{k}")
     return flat.reshape(tokens, layers, k).to(torch.int16)
+
+
+def image_data(images: Sequence) -> list:
+    """SGLang's `image_data` for requests whose input ids already hold the expanded image pads: per
+    request one HF processor-output item (`format="processor_output"`: pixel_values and
+    image_grid_thw of all its images), None for a text request."""
+    return [None if im is None else [{"format": "processor_output", "pixel_values": im.pixel_values,
+                                      "image_grid_thw": im.image_grid_thw}] for im in images]

@@ -70,14 +70,20 @@ def request_seeds(seed: int | None, keys: Sequence[tuple[int, int]], stream: str
 
 @dataclass(frozen=True)
 class GenerateCall:
-    """One `Engine.generate` call: per-request input ids and sampling dicts (same length)."""
+    """One `Engine.generate` call: per-request input ids and sampling dicts (same length), and for
+    vision-language models each request's images (`PromptImages` or None; None for all text)."""
 
     input_ids: list[list[int]]
     sampling_params: list[dict]
+    images: list | None = None
+
+
+def _request_images(images: Sequence | None) -> list | None:
+    return list(images) if images is not None and any(im is not None for im in images) else None
 
 
 def first_call(contexts: Sequence[list[int]], budgets: Sequence[int], sampling: SamplingParams,
-               fire: bool, seeds: Sequence[int | None] | None = None) -> GenerateCall:
+               fire: bool, seeds: Sequence[int | None] | None = None, images: Sequence | None = None) -> GenerateCall:
     """The first generate call of a segment (`seeds`: one `sampling_seed` per context, or None).
 
     FIRE (ALGORITHMS.md §9) splits generation into two calls: this one draws exactly one token
@@ -90,12 +96,12 @@ def first_call(contexts: Sequence[list[int]], budgets: Sequence[int], sampling: 
         dicts = [sampling_dict(first, sampling, 1, s) for s in seeds]
     else:
         dicts = [sampling_dict(regular, sampling, b, s) for b, s in zip(budgets, seeds)]
-    return GenerateCall([list(c) for c in contexts], dicts)
+    return GenerateCall([list(c) for c in contexts], dicts, _request_images(images))
 
 
 def second_call(contexts: Sequence[list[int]], first_tokens: Sequence[int],
                 remaining: Sequence[int], sampling: SamplingParams,
-                seeds: Sequence[int | None] | None = None) -> GenerateCall:
+                seeds: Sequence[int | None] | None = None, images: Sequence | None = None) -> GenerateCall:
     """FIRE's second call: context + first token, regular sampler, the remaining budget.
 
     A request keeps its first call's seed: its positions differ from the first call's, and
@@ -104,7 +110,8 @@ def second_call(contexts: Sequence[list[int]], first_tokens: Sequence[int],
     regular = token_samplers(sampling)[1]
     seeds = _per_request(seeds, len(contexts))
     return GenerateCall([list(c) + [int(t)] for c, t in zip(contexts, first_tokens)],
-                        [sampling_dict(regular, sampling, r, s) for r, s in zip(remaining, seeds)])
+                        [sampling_dict(regular, sampling, r, s) for r, s in zip(remaining, seeds)],
+                        _request_images(images))
 
 
 def _per_request(seeds: Sequence[int | None] | None, n: int) -> list[int | None]:
@@ -366,16 +373,17 @@ Segment = tuple[list[int], list[float], FinishReason]
 
 def run_segment(call: Callable[[GenerateCall], list[dict]], contexts: Sequence[list[int]],
                 budgets: Sequence[int], window_limited: Sequence[bool], sampling: SamplingParams,
-                fire: bool, seeds: Sequence[int | None] | None = None) -> list[Segment]:
+                fire: bool, seeds: Sequence[int | None] | None = None, images: Sequence | None = None) -> list[Segment]:
     """Generates one segment per context through `call` (SGLang `Engine.generate` in production).
 
     Without FIRE: one call. With FIRE (`fire` and `sampling.fire`): a 1-token call at the FIRE
     sampler, then a call with the regular sampler for the remaining budget on the contexts whose
     first token did not stop them; results are concatenated per context. `seeds`: one
-    `sampling_seed` per context (None: no seed sent).
+    `sampling_seed` per context (None: no seed sent). `images`: one PromptImages or None per
+    context (vision-language models), sent with both calls.
     """
     seeds = _per_request(seeds, len(contexts))
-    outputs = call(first_call(contexts, budgets, sampling, fire, seeds))
+    outputs = call(first_call(contexts, budgets, sampling, fire, seeds, images))
     if len(outputs) != len(contexts):
         raise ValueError(f"SGLang returned {len(outputs)} outputs for {len(contexts)} requests")
     if not (fire and sampling.fire):
@@ -397,7 +405,7 @@ def run_segment(call: Callable[[GenerateCall], list[dict]], contexts: Sequence[l
     if pending:
         rest = call(second_call([contexts[i] for i in pending], [firsts[i][0][0] for i in pending],
                                 [budgets[i] - 1 for i in pending], sampling,
-                                [seeds[i] for i in pending]))
+                                [seeds[i] for i in pending], None if images is None else [images[i] for i in pending]))
         if len(rest) != len(pending):
             raise ValueError(f"SGLang returned {len(rest)} outputs for {len(pending)} requests")
         for i, output in zip(pending, rest):

@@ -54,6 +54,9 @@ class Trajectory:
     turn_ends: list[int] | None = None
     turn_is_policy: list[bool] | None = None
     turn_outcome: list[int] | None = None
+    # vision-language models: the prompt's images as the engine saw them (PromptImages' tensors)
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -91,9 +94,8 @@ class StepBatch:
     returns: torch.Tensor | None = None
     # MoE routing replay: per sample the engine's experts [prompt + response tokens, layers, top_k]
     routed_experts: list[torch.Tensor] | None = None
-    # room for what other methods attach per token: PAG turn ids [B, T]; per-sample image inputs (VLM)
-    turn_ids: torch.Tensor | None = None
-    images: list | None = None
+    turn_ids: torch.Tensor | None = None  # room for what other methods attach per token (PAG turn ids)
+    images: list | None = None  # vision-language models: per sample its PromptImages or None
     baseline_score: torch.Tensor | None = None  # [B] float32 ReMax baseline (greedy response's score)
     window_start: torch.Tensor | None = None  # [B] int64 first response index of the latest window (T-PPO)
     start_version: torch.Tensor | None = None  # [B] int64 policy version of the first window (T-PPO)
@@ -128,6 +130,7 @@ class StepBatch:
             start_version=torch.tensor([int(t.first_version) for t in trajs], dtype=torch.int64),
             routed_experts=([t.routed_experts for t in trajs]
                             if trajs and all(t.routed_experts is not None for t in trajs) else None),
+            images=([_images_of(t) for t in trajs] if any(t.pixel_values is not None for t in trajs) else None),
             **_turn_fields(trajs, T),
         )
 
@@ -185,7 +188,7 @@ class MicroBatch:
     rows: list[int]  # rows of the batch the micro-batch was built from
     data: StepBatch  # those rows, cut to the widest response of the micro-batch
     input_ids: torch.Tensor  # [1, S] the packed sequences (this CP rank's tokens after cp_shard)
-    position_ids: torch.Tensor  # [1, S] position within each sequence
+    position_ids: torch.Tensor  # [1, S] position within each sequence ([3, 1, S] M-RoPE ids with images)
     targets: torch.Tensor  # [1, S] next token at every position of the full row
     resp_index: torch.Tensor  # [n, T_mb] position in the full row of each response token
     owner: torch.Tensor  # [n, T_mb] position in input_ids of each response token; -1: not here
@@ -196,6 +199,19 @@ class MicroBatch:
     # and [S] bool the positions the engine forwarded (not padding, not a sequence's last token)
     routed_experts: torch.Tensor | None = None
     routing_valid: torch.Tensor | None = None
+    # vision-language models (`packed_vision`): [1, S] which tokens are image placeholders, and the
+    # images of the packed sequences in order (position_ids are then M-RoPE ids [3, 1, S]);
+    # image_grid_thw stays on the host (the tower reads it as Python ints)
+    image_mask: torch.Tensor | None = None
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+
+    @property
+    def vision_inputs(self) -> dict[str, torch.Tensor]:
+        """The model's image keyword arguments (none for a text model)."""
+        if self.image_mask is None:
+            return {}
+        return {"image_mask": self.image_mask, "pixel_values": self.pixel_values, "image_grid_thw": self.image_grid_thw}
 
     def cp_shard(self, cp_rank: int, cp_size: int) -> "MicroBatch":
         """This CP rank's tokens: chunks r and 2*cp-1-r of every sequence (megarl.models.attention);
@@ -209,7 +225,9 @@ class MicroBatch:
         routing = {}
         if self.routed_experts is not None:
             routing = dict(routed_experts=self.routed_experts[mine], routing_valid=self.routing_valid[mine])
-        return dataclasses.replace(self, input_ids=self.input_ids[:, mine], position_ids=self.position_ids[:, mine],
+        if self.image_mask is not None:
+            routing["image_mask"] = self.image_mask[:, mine]
+        return dataclasses.replace(self, input_ids=self.input_ids[:, mine], position_ids=self.position_ids[..., mine],
                                    owner=owner, cp_size=cp_size, **routing)
 
     def log_probs(self, logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -257,11 +275,19 @@ class MicroBatch:
             resp_index=self.resp_index.to(device), owner=self.owner.to(device), cu_seqlens=self.cu_seqlens.to(device),
             routed_experts=None if self.routed_experts is None else self.routed_experts.to(device),
             routing_valid=None if self.routing_valid is None else self.routing_valid.to(device),
+            pixel_values=None if self.pixel_values is None else self.pixel_values.to(device),
+            image_mask=None if self.image_mask is None else self.image_mask.to(device),
         )
 
 
 def padded_length(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+def _images_of(t: Trajectory):
+    from megarl.rollout.types import PromptImages
+
+    return None if t.pixel_values is None else PromptImages(t.pixel_values, t.image_grid_thw)
 
 
 def _turn_fields(trajs: list[Trajectory], T: int) -> dict:
@@ -276,11 +302,13 @@ def _turn_fields(trajs: list[Trajectory], T: int) -> dict:
                 turn_is_policy=[list(t.turn_is_policy) for t in trajs], turn_outcome=[list(t.turn_outcome) for t in trajs])
 
 
-def build_microbatch(batch: StepBatch, rows: list[int], pad_multiple: int = 1, chunk_tokens: int = 4096) -> MicroBatch:
+def build_microbatch(batch: StepBatch, rows: list[int], pad_multiple: int = 1, chunk_tokens: int = 4096,
+                     vision=None) -> MicroBatch:
     """Packs the sequences (prompt + response) of `rows` into one row delimited by cu_seqlens (THD;
     host tensors). Every sequence is padded to a multiple of `pad_multiple` (2*CP for context
     parallelism, TP with sequence parallelism, 16 for FP8); the padding sits after the sequence
-    inside its own causal block, so it changes nothing before it.
+    inside its own causal block, so it changes nothing before it. When the rows carry images
+    (`vision`: the model's VisionSpec) the position ids are each sequence's M-RoPE ids.
     """
     seqs = [batch.prompt_ids[i] + batch.response_ids[i] for i in rows]
     padded = [padded_length(len(s), pad_multiple) for s in seqs]
@@ -301,11 +329,44 @@ def build_microbatch(batch: StepBatch, rows: list[int], pad_multiple: int = 1, c
     cu = torch.zeros(len(rows) + 1, dtype=torch.int32)
     cu[1:] = torch.tensor(padded).cumsum(0)
     routing = packed_routing(batch, rows, padded) if batch.routed_experts is not None else {}
+    images = packed_vision(batch, rows, padded, vision) if vision is not None else {}
+    pos = images.pop("position_ids", pos)
     return MicroBatch(
         rows=list(rows), data=batch.select(list(rows), width=T), input_ids=ids, position_ids=pos,
         targets=torch.roll(ids, shifts=-1, dims=1),  # crosses sequence ends only at unused positions
-        resp_index=resp_index, owner=owner, cu_seqlens=cu, chunk_tokens=chunk_tokens, **routing,
+        resp_index=resp_index, owner=owner, cu_seqlens=cu, chunk_tokens=chunk_tokens, **routing, **images,
     )
+
+
+def packed_vision(batch: StepBatch, rows: list[int], padded: list[int], vision) -> dict[str, torch.Tensor]:
+    """A vision-language model's inputs of the packed row: `image_mask` [1, S] (the image
+    placeholders of the prompts that have images; a placeholder id elsewhere, e.g. generated, is
+    text, as the engine embeds it) and, when a row has images, `position_ids` [3, 1, S] (each
+    prompt's M-RoPE ids as HF's get_rope_index gives them, its response and padding continuing
+    as text after the prompt's largest id, as the engine decodes) and the rows' pixels in order."""
+    from megarl.data.images import concat_images
+    from megarl.models.vision.mrope import mrope_position_ids
+
+    images = batch.images or [None] * len(batch)
+    mask = torch.zeros(1, sum(padded), dtype=torch.bool)
+    pos = torch.zeros(3, 1, sum(padded), dtype=torch.long)
+    off = 0
+    for i, width in zip(rows, padded):
+        prompt, im = torch.tensor(batch.prompt_ids[i])[None], images[i]
+        P = prompt.shape[1]
+        if im is None:
+            pos[:, 0, off : off + width] = torch.arange(width)
+        else:
+            ids, _ = mrope_position_ids(prompt, im.image_grid_thw, vision.image_token_id, vision.spatial_merge_size)
+            mask[0, off : off + P] = prompt[0] == vision.image_token_id
+            pos[:, 0, off : off + P] = ids[:, 0]
+            pos[:, 0, off + P : off + width] = int(ids.max()) + 1 + torch.arange(width - P)
+        off += width
+    out = {"image_mask": mask}
+    found = concat_images([images[i] for i in rows])
+    if found is not None:
+        out.update(position_ids=pos, pixel_values=found.pixel_values, image_grid_thw=found.image_grid_thw)
+    return out
 
 
 def packed_routing(batch: StepBatch, rows: list[int], padded: list[int]) -> dict[str, torch.Tensor]:
@@ -329,9 +390,9 @@ def packed_routing(batch: StepBatch, rows: list[int], padded: list[int]) -> dict
 
 
 def split_microbatches(batch: StepBatch, rows: list[int], max_tokens: int, pad_multiple: int = 1,
-                       chunk_tokens: int = 4096) -> list[MicroBatch]:
+                       chunk_tokens: int = 4096, vision=None) -> list[MicroBatch]:
     """Token-budget micro-batches (first-fit-decreasing over whole sequences) of these rows."""
     all_lengths = batch.lengths
     lengths = [padded_length(all_lengths[i], pad_multiple) for i in rows]
     groups = token_budget_microbatches(lengths, max_tokens)
-    return [build_microbatch(batch, [rows[i] for i in g], pad_multiple, chunk_tokens) for g in groups]
+    return [build_microbatch(batch, [rows[i] for i in g], pad_multiple, chunk_tokens, vision) for g in groups]

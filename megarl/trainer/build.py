@@ -80,6 +80,7 @@ def _train_model(cfg, hf_config, optim, load: str | None, value_head: bool = Fal
                        seed=cfg.trainer.seed, batching=cfg.critic if value_head else cfg.actor,
                        model_options=model_options(cfg.model, cfg.parallel),
                        logprob_chunk_tokens=cfg.model.logprob_chunk_tokens,
+                       freeze_vision=cfg.model.freeze_vision and optim is not None,
                        **({} if value_head or optim is None else actor_routing_options(cfg)))
     model.hf_source_dir = cfg.model.hf_path
     if load:
@@ -275,9 +276,21 @@ def _eval_spec(spec) -> dict:
     return spec
 
 
-def build_data(cfg, tokenizer) -> PromptData:
-    """Training prompts (a resumable sampler) and eval sets, templated and tokenised; bad rows
-    and over-long prompts are skipped, counted and named in a warning by megarl.data."""
+def image_inputs(cfg, hf_config, tokenizer):
+    """The checkpoint's image processor and vision tokens (`megarl.data.images.ImageInputs`) for a
+    vision-language model, None for a text model."""
+    if getattr(hf_config, "vision_config", None) is None:
+        return None
+    from megarl.data.images import ImageInputs
+
+    return ImageInputs.from_pretrained(cfg.model.hf_path, hf_config, tokenizer,
+                                       placeholder=cfg.data.image_placeholder, max_image_tokens=cfg.data.max_image_tokens)
+
+
+def build_data(cfg, tokenizer, images=None) -> PromptData:
+    """Training prompts (a resumable sampler) and eval sets, templated and tokenised; bad rows,
+    rows with unusable images (`images`: an ImageInputs, vision-language models) and over-long
+    prompts are skipped, counted and named in a warning by megarl.data."""
     from megarl.data.dataset import load_prompt_dataset, tokenize_dataset
     from megarl.data.sampler import PromptSampler, SourceScheduleSampler
 
@@ -285,7 +298,7 @@ def build_data(cfg, tokenizer) -> PromptData:
     kw = dict(prompt_key=d.prompt_key, answer_key=d.answer_key, source_key=d.source_key,
               default_source=d.default_data_source, reference_key=d.reference_key)
     tok = dict(template=d.prompt_template, max_prompt_len=d.max_prompt_len,
-               apply_chat_template=d.apply_chat_template)
+               apply_chat_template=d.apply_chat_template, images=images, image_key=d.image_key)
     if not d.train_path:
         raise ValueError("data.train_path is not set")
     train = tokenize_dataset(load_prompt_dataset(d.train_path, **kw), tokenizer, **tok)

@@ -146,11 +146,13 @@ def build_components(cfg) -> RunComponents:
     ref = build.build_actor(cfg, hf_config, optim=False) if cfg.algorithm.kl_coef > 0 else None
     engine = build.build_engine(cfg, hf_config, tokenizer)
     rewards = build.build_rewards(cfg)
+    images = build.image_inputs(cfg, hf_config, tokenizer)
     worker = RolloutWorker(engine, tokenizer, rewards, cfg,
-                           ranks_per_engine=cfg.parallel.rollout_tp if cfg.rollout.engine == "sglang" else 1)
+                           ranks_per_engine=cfg.parallel.rollout_tp if cfg.rollout.engine == "sglang" else 1,
+                           images=images)
     return RunComponents(
         cfg=cfg, hf_config=hf_config, actor=actor, critic=critic, ref=ref, engine=engine, worker=worker,
-        data=build.build_data(cfg, tokenizer), logger=MetricsLogger(cfg.trainer.run_dir, cfg.trainer.tensorboard),
+        data=build.build_data(cfg, tokenizer, images), logger=MetricsLogger(cfg.trainer.run_dir, cfg.trainer.tensorboard),
         timer=PhaseTimer(), dp_group=ps.get_data_parallel_group(), dp_rank=ps.get_data_parallel_rank(),
         dp_size=ps.get_data_parallel_world_size(), prm=_prm_scorer(cfg, hf_config, tokenizer),
     )

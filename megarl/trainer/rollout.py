@@ -47,8 +47,9 @@ def all_gather_list(local: list) -> list:
 class RolloutWorker:
     """Generates and scores trajectories for prompt items; one per rank."""
 
-    def __init__(self, engine, tokenizer, reward_manager, cfg, ranks_per_engine: int = 1):
+    def __init__(self, engine, tokenizer, reward_manager, cfg, ranks_per_engine: int = 1, images=None):
         self.engine = engine
+        self.images = images  # megarl.data.images.ImageInputs of a vision-language model, else None
         self.tokenizer = tokenizer
         self.rewards = reward_manager
         self.cfg = cfg
@@ -74,8 +75,11 @@ class RolloutWorker:
         if local_items:
             seed = (sampling.seed or 0) * 1009 + replica
             local_sampling = SamplingParams(**{**sampling.__dict__, "seed": seed})
+            images = self.prompt_images(local_items)
+            if multi_turn and images:
+                raise ValueError("PAG multi-turn rollouts do not take images yet")
             samples = (pag.generate_turns(self, local_prompts, local_sampling) if multi_turn
-                       else self.engine.generate(local_prompts, local_sampling))
+                       else self.engine.generate(local_prompts, local_sampling, **images))
             if rank % per_engine == 0:
                 trajs, reward_metrics = (pag.score(self, local_items, samples) if multi_turn
                                          else self._score(local_items, samples))
@@ -101,8 +105,9 @@ class RolloutWorker:
         """
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         replica, n_replicas = rank // self.ranks_per_engine, world // self.ranks_per_engine
-        fresh = [(item, Trajectory(item.uid, list(ids), [], [], "truncated"), True)
-                 for item, ids in zip(items, encoded) for _ in range(sampling.n)]
+        pixels = self.prompt_images(items).get("images") or [None] * len(items)
+        fresh = [(item, Trajectory(item.uid, list(ids), [], [], "truncated", **trajectory_images(im)), True)
+                 for item, ids, im in zip(items, encoded, pixels) for _ in range(sampling.n)]
         work = shard_for_rank([(item, t, False) for item, t in carried] + fresh, replica, n_replicas)
         active: list[tuple[Any, Trajectory | None, Sample]] = []  # (item, carried trajectory or None, sample)
         if work:
@@ -120,13 +125,20 @@ class RolloutWorker:
             self.metrics["rollout/kv_cache_gb"] = max(all_gather_list([kv])) / 2**30
         return gathered
 
+    def prompt_images(self, items) -> dict:
+        """`images=` for the engine (pixels of each item's images, None for a text item), or {} when
+        no item has images."""
+        if self.images is None or not any(getattr(it, "images", None) for it in items):
+            return {}
+        return {"images": [self.images.pixels(it.images) if it.images else None for it in items]}
+
     def _score(self, items, samples) -> tuple[list[Trajectory], dict[str, float]]:
         per_sample = [items[s.index] for s in samples]
         scores, accs, metrics = self._rewards(per_sample, samples)
         trajs = [Trajectory(uid=item.uid, prompt_ids=list(s.prompt_ids), response_ids=list(s.response_ids),
                             rollout_logprobs=list(s.logprobs), finish_reason=s.finish_reason, score=score, acc=acc,
                             data_source=item.data_source, policy_version=self.policy_version,
-                            routed_experts=s.routed_experts)
+                            routed_experts=s.routed_experts, **trajectory_images(s.images))
                  for item, s, score, acc in zip(per_sample, samples, scores, accs)]
         return trajs, metrics
 
@@ -143,7 +155,7 @@ class RolloutWorker:
                 data_source=item.data_source, policy_version=self.policy_version,
                 window_start=len(prior.response_ids) if prior is not None else 0,
                 start_version=prior.first_version if prior is not None else self.policy_version,
-                routed_experts=s.routed_experts,
+                routed_experts=s.routed_experts, **trajectory_images(s.images),
             ))
         return trajs, metrics
 
@@ -167,9 +179,19 @@ class RolloutWorker:
                 [bool(out.acc) for out in outputs], {k: float(v) for k, v in metrics.items()})
 
 
+def trajectory_images(images) -> dict:
+    """A Sample's PromptImages as Trajectory fields."""
+    if images is None:
+        return {}
+    return {"pixel_values": images.pixel_values, "image_grid_thw": images.image_grid_thw}
+
+
 def _as_sample(t: Trajectory, index: int) -> Sample:
+    from megarl.rollout.types import PromptImages
+
+    images = None if t.pixel_values is None else PromptImages(t.pixel_values, t.image_grid_thw)
     return Sample(prompt_ids=list(t.prompt_ids), response_ids=list(t.response_ids), logprobs=list(t.rollout_logprobs),
-                  finish_reason="truncated", index=index)
+                  finish_reason="truncated", index=index, images=images)
 
 
 def overlong_max_len(cfg) -> int:

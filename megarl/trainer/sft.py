@@ -2,8 +2,10 @@
 tokens over each global batch, through the same packed micro-batches, DDP and optimizer as RL.
 
 Data: JSONL rows with `prompt` and `response` strings (the response gets the tokenizer's EOS).
-Rows that are not valid JSON / UTF-8, lack a field, or exceed sft.max_len tokens are skipped
-and counted with their row numbers.
+Vision-language models: rows may carry images (`data.image_key`, placeholders as in prompt rows,
+megarl.data.images), processed to pixels at load. Rows that are not valid JSON / UTF-8, lack a
+field, have an unusable image, or exceed sft.max_len tokens are skipped and counted with their
+row numbers.
 """
 
 from __future__ import annotations
@@ -26,7 +28,11 @@ from megarl.trainer.progress import Progress
 log = logging.getLogger(__name__)
 
 
-def load_sft_rows(path: str, tokenizer, max_len: int) -> tuple[list[Trajectory], list[tuple[int, str]]]:
+def load_sft_rows(path: str, tokenizer, max_len: int, images=None,
+                  image_key: str = "images") -> tuple[list[Trajectory], list[tuple[int, str]]]:
+    """(rows, skipped (row number, reason)); `images`: an ImageInputs (vision-language models)."""
+    from megarl.data.images import ImageError
+
     rows, skipped = [], []
     p = Path(path)
     if not p.is_file():
@@ -42,18 +48,35 @@ def load_sft_rows(path: str, tokenizer, max_len: int) -> tuple[list[Trajectory],
             except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
                 skipped.append((n, f"{type(e).__name__}: {e}"))
                 continue
-            p_ids = tokenizer.encode(prompt, add_special_tokens=False)
+            try:
+                p_ids, pixels = _prompt_ids(row, prompt, tokenizer, images, image_key, p.parent)
+            except ImageError as e:
+                skipped.append((n, f"ImageError: {e}"))
+                continue
             r_ids = tokenizer.encode(response, add_special_tokens=False) + ([eos] if eos is not None else [])
             if len(p_ids) + len(r_ids) > max_len or not p_ids:
                 skipped.append((n, f"length {len(p_ids) + len(r_ids)} > sft.max_len {max_len} or empty prompt"))
                 continue
             rows.append(Trajectory(uid=str(n), prompt_ids=p_ids, response_ids=r_ids, rollout_logprobs=[],
-                                   finish_reason="stop"))
+                                   finish_reason="stop", **pixels))
     if skipped:
         log.warning("%s: skipped %d bad rows, e.g. %s", path, len(skipped), skipped[:3])
     if not rows:
         raise ValueError(f"{path}: no usable SFT rows ({len(skipped)} skipped)")
     return rows, skipped
+
+
+def _prompt_ids(row: dict, prompt: str, tokenizer, images, image_key: str, base_dir: Path) -> tuple[list[int], dict]:
+    """(prompt ids, Trajectory image fields): the row's images' pads expanded and their pixels."""
+    if images is None or row.get(image_key) is None:
+        return tokenizer.encode(prompt, add_special_tokens=False), {}
+    from megarl.data.images import image_refs
+
+    refs = image_refs(row[image_key], base_dir)
+    counts = images.check(refs)
+    ids = images.expand(tokenizer.encode(images.with_markers(prompt, len(refs)), add_special_tokens=False), counts)
+    pix = images.pixels(refs)
+    return ids, {"pixel_values": pix.pixel_values, "image_grid_thw": pix.image_grid_thw}
 
 
 def nll_loss_fn(counts: dict[str, float]):
@@ -84,7 +107,8 @@ def sft(cfg, max_steps: int | None = None, save_to: str | None = None) -> dict:
 
     init_distributed(cfg.parallel, seed=cfg.trainer.seed)
     hf_config, tokenizer = build.load_hf_config_and_tokenizer(cfg.model.hf_path)
-    rows, skipped = load_sft_rows(cfg.sft.data_path, tokenizer, cfg.sft.max_len)
+    rows, skipped = load_sft_rows(cfg.sft.data_path, tokenizer, cfg.sft.max_len,
+                                  build.image_inputs(cfg, hf_config, tokenizer), cfg.data.image_key)
     cfg = sft_run_config(cfg, len(rows), max_steps)
     total = cfg.trainer.total_steps
     actor = build.build_actor(cfg, hf_config)

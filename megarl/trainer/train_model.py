@@ -47,8 +47,11 @@ class TrainModel:
     def __init__(self, hf_config, optim=None, *, value_head: bool = False, dtype: str = "fp32",
                  impl: str = "local", total_steps: int = 1, padded_vocab: int | None = None, seed: int = 0,
                  batching=None, model_options: dict | None = None, logprob_chunk_tokens: int = 4096,
-                 freeze_router: bool = False, routing_replay: bool = False, track_routing: bool = False):
-        """MoE: freeze_router keeps the router weights out of the gradient and the optimizer;
+                 freeze_router: bool = False, routing_replay: bool = False, track_routing: bool = False,
+                 freeze_vision: bool = False):
+        """Vision-language models: freeze_vision keeps the vision tower (patch embedding, blocks,
+        merger) out of the gradient and the optimizer.
+        MoE: freeze_router keeps the router weights out of the gradient and the optimizer;
         routing_replay makes the routers use the engine's experts of micro-batches that carry them
         (megarl.models.routing); track_routing measures the engine/trainer routing agreement in
         `forward_only` passes (`routing_metrics`)."""
@@ -84,6 +87,13 @@ class TrainModel:
             for c in self.chunks:
                 for _, router in routing.moe_routers(c):
                     router.requires_grad_(False)
+        self.vision = self.chunks[0].arch_spec.vision  # VisionSpec of a vision-language model, else None
+        if freeze_vision:
+            if self.vision is None:
+                raise ValueError("model.freeze_vision=true but the model has no vision tower")
+            for c in self.chunks:
+                if getattr(c, "vision_model", None) is not None:
+                    c.vision_model.requires_grad_(False)
         self.pad_multiple = sequence_pad_multiple(self.config)
         self.cp_rank, self.cp_size = ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()
         self.optimizer = None
@@ -144,7 +154,7 @@ class TrainModel:
         rows = list(range(len(batch))) if rows is None else rows
         if not rows:
             return []
-        mbs = split_microbatches(batch, rows, self.max_tokens, self.pad_multiple, self.chunk_tokens)
+        mbs = split_microbatches(batch, rows, self.max_tokens, self.pad_multiple, self.chunk_tokens, self.vision)
         return [mb.cp_shard(self.cp_rank, self.cp_size) for mb in mbs] if self.cp_size > 1 else mbs
 
     # ---- GPU memory between phases -----------------------------------------------------------
@@ -201,7 +211,8 @@ class TrainModel:
                     observer.expect(model, mb.routed_experts[local], mb.routing_valid[local])
             elif self.routing_replay:
                 routing.set_replay(model, None)
-            out = model(mb.input_ids, mb.position_ids, None, packed_seq_params=thd_params(mb.cu_seqlens))
+            out = model(mb.input_ids, mb.position_ids, None, packed_seq_params=thd_params(mb.cu_seqlens),
+                        **mb.vision_inputs)
 
             def loss_func(output):
                 loss, logs = loss_fn(mb, output)

@@ -33,7 +33,9 @@ FORMAT = "megarl-torch_dist-v1"
 META_NAME = "megarl_model.json"
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
             "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model",
-            "added_tokens.json", "chat_template.jinja")
+            "added_tokens.json", "chat_template.jinja",
+            # vision-language models: the image processor (megarl.data.images) and processor settings
+            "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
 
 
 def copy_hf_files(src: str | Path | None, dst: str | Path, hf_config: Any = None) -> None:

@@ -12,7 +12,9 @@ How a bucket is made (every rank runs the same plan, so collectives line up):
    q/k/v, gated fc1 into gate/up, vocab padding cut); replicated parameters are taken locally.
    MoE experts: a local expert slot's shards are gathered over the expert-TP group, merged, and
    the merged tensors of every EP rank's same slot all-gathered over the EP group, so a bucket
-   entry carries that slot's full HF tensors for all EP ranks (`bridge.expert_hf_names`).
+   entry carries that slot's full HF tensors for all EP ranks (`bridge.expert_hf_names`). Where
+   HF keeps all experts of a layer in one tensor (`ParamMap.hf_expert`, qwen3_vl_moe), one entry
+   holds all local experts of the layer, and the EP ranks' parts are concatenated in rank order.
 3. With PP > 1 the owner packs the HF tensors into one byte buffer and broadcasts it over the PP
    group; the other stages receive it. The yielded tensors are views into that buffer.
 
@@ -76,15 +78,20 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _local_entries(models, spec, ep: int, dtype: torch.dtype | None):
-    entries, params = [], []
+    entries, params, fused = [], [], {}
     for model in models:
         for pm, param in param_maps(model, spec):
             if not pm.export:
                 continue
+            if pm.hf_expert is not None and pm.hf_names in fused:  # another local expert of that tensor
+                params[fused[pm.hf_names]][1].append(param)
+                continue
             out_dtype = dtype or param.dtype
             shapes = tuple(hf_shapes(pm, tuple(param.shape), spec, shard_group(pm)[0]))
             names = pm.hf_names
-            if pm.expert is not None:  # this slot on every EP rank
+            if pm.hf_expert is not None:  # all local experts of the layer, stacked at gather time
+                fused[names], param = len(params), [param]
+            elif pm.expert is not None:  # this slot on every EP rank
                 names, shapes = expert_hf_names(pm, spec, ep), shapes * ep
             entries.append(_Entry(names, shapes, str(out_dtype).removeprefix("torch."), pm.layout))
             params.append((pm, param))
@@ -125,7 +132,8 @@ def _gather_tp(items, spec) -> list[list[torch.Tensor]]:
     all-gathered in one call per group; expert tensors then all-gathered over EP (rank-major)."""
     from megatron.core import parallel_state as ps
 
-    local = [param.detach().to(e.torch_dtype) for _, param, e in items]
+    local = [torch.stack([p.detach() for p in param]).to(e.torch_dtype) if isinstance(param, list)
+             else param.detach().to(e.torch_dtype) for _, param, e in items]
     out: list = [None] * len(items)
     experts = [k for k, (pm, _, _) in enumerate(items) if pm.expert is not None]
     for is_expert, group in ((False, ps.get_tensor_model_parallel_group()),
@@ -142,7 +150,10 @@ def _gather_tp(items, spec) -> list[list[torch.Tensor]]:
                                            ps.get_expert_model_parallel_group()))
         for k in experts:
             mine = [next(per_rank) for _ in out[k]]  # [tensor][ep rank]
-            out[k] = [mine[j][r] for r in range(ep) for j in range(len(mine))]
+            if items[k][0].hf_expert is not None:  # parts of one HF tensor, experts in EP-rank order
+                out[k] = [torch.cat(parts) for parts in mine]
+            else:
+                out[k] = [mine[j][r] for r in range(ep) for j in range(len(mine))]
     return out
 
 

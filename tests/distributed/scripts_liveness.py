@@ -30,6 +30,11 @@ SHOWN_ELSEWHERE = {
                                 "(MoE only: the liveness model here is dense)",
     "model.moe_load_balancing_type": "tests/distributed/test_moe_train.py::test_load_balancing_loss_is_configurable",
     "model.freeze_router": "tests/distributed/test_moe_train.py::test_frozen_router_stays_bit_identical_while_experts_train",
+    "model.freeze_vision": "tests/distributed/test_vlm_train.py::test_freeze_vision (vision-language models only: "
+                           "the liveness model here is a text model)",
+    **{f"data.{k}": "tests/unit/test_data_images.py::test_config_fields_reach_the_data_path (rows with images need a "
+                    "vision-language model; the liveness model here is a text model)"
+       for k in ("image_key", "image_placeholder", "max_image_tokens")},
     "algorithm.routing_replay": "tests/distributed/test_moe_train.py::test_rl_step_logs_routing_agreement (an RL step "
                                 "with replay logs moe/replayed_fraction; test_replay_makes_the_trainer_route_like_the_engine)",
     "model.logprob_chunk_tokens": "tests/distributed/test_cp.py::test_chunked_views_equal_unchunked_and_the_formulas "

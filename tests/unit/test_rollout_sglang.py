@@ -266,6 +266,7 @@ class _StandInEngine:
         self.offloaded: set[str] = set()
         self.memory_calls: list[tuple[str, list[str]]] = []
         self.requests: list[dict] = []
+        self.image_requests: list = []
         self.backend = BuiltinEngine.from_pretrained(kwargs["model_path"])
         _StandInEngine.created.append(self)
 
@@ -279,16 +280,23 @@ class _StandInEngine:
         self.offloaded -= set(tags)
         self.memory_calls.append(("resume", list(tags)))
 
-    def generate(self, input_ids, sampling_params, return_logprob, return_routed_experts=False):
+    def generate(self, input_ids, sampling_params, return_logprob, return_routed_experts=False, image_data=None):
         assert return_logprob and not self.offloaded
         # SGLang refuses return_routed_experts unless the server was started with the flag
         assert not return_routed_experts or self.kwargs.get("enable_return_routed_experts")
         outs = []
-        for ids, d in zip(input_ids, sampling_params):
+        for k, (ids, d) in enumerate(zip(input_ids, sampling_params)):
             self.requests.append(d)
             sp = SamplingParams(temperature=d["temperature"], top_k=d["top_k"], top_p=d["top_p"],
                                 max_new_tokens=d["max_new_tokens"], seed=d.get("sampling_seed"))
-            sample = self.backend.generate([ids], sp)[0]
+            images = None
+            if image_data is not None:  # per request: None, or [one processor-output item]
+                self.image_requests.append(image_data[k])
+                if image_data[k] is not None:
+                    (item,) = image_data[k]
+                    assert item["format"] == "processor_output"
+                    images = [{"pixel_values": item["pixel_values"], "image_grid_thw": item["image_grid_thw"]}]
+            sample = self.backend.generate([ids], sp, **({"images": images} if images else {}))[0]
             out = _sglang_format(sample)
             if return_routed_experts:  # SGLang: base64 of int32 [prompt + output - 1, layers, top_k]
                 n = len(sample.prompt_ids) + len(sample.response_ids) - 1
@@ -494,3 +502,30 @@ def _full_forward_routing(engine: BuiltinEngine, ids: list[int]) -> torch.Tensor
     out = tape.take()
     tape.close()
     return out
+
+
+def test_engine_sends_images_as_processor_output(tmp_path):
+    """A vision-language checkpoint (config.json with text_config): prompts with expanded image pads
+    and their pixels go to SGLang as one processor-output item per request (None for a text prompt),
+    in both FIRE calls; each sample keeps its prompt's images (for continue_samples)."""
+    from megarl.rollout.sglang_engine import image_data
+    from megarl.rollout.types import PromptImages
+    from tests.distributed.scripts_vlm_common import make_prompt, make_tiny_vlm
+
+    make_tiny_vlm(tmp_path, seed=2)
+    _StandInEngine.created.clear()
+    made = [make_prompt([(20, 37)], 1), make_prompt([], 3), make_prompt([(48, 40), (9, 9)], 2)]
+    prompts = [m[0] for m in made]
+    images = [None if m[1] is None else PromptImages(m[1]["pixel_values"], m[1]["image_grid_thw"]) for m in made]
+    engine = _engine(tmp_path, start=True)
+    sp = SamplingParams(n=2, temperature=1.0, max_new_tokens=5, seed=3, fire=True)
+    samples = engine.generate(prompts, sp, images=images)
+    (sgl,) = _StandInEngine.created
+    sent = [r is not None for r in sgl.image_requests]
+    first = sent[: len(prompts) * 2]
+    assert first == [True, True, False, False, True, True]  # rows: prompt-major, n=2
+    assert len(sent) > len(first)  # FIRE's second call carried the images too
+    assert all(s.images is images[s.index] for s in samples)
+    item = image_data([images[2]])[0][0]
+    assert item["format"] == "processor_output" and item["image_grid_thw"].tolist() == [[1, 12, 10], [1, 4, 4]]
+    assert all(len(s.response_ids) > 0 for s in samples)

@@ -44,8 +44,15 @@ _OTHER_RULES: dict[str, tuple[str, str]] = {
 }
 
 
-def map_vision_param(name: str, param_map_cls):
-    """The `ParamMap` of tower parameter `name` (`vision_model.*`); KeyError if unknown."""
+def map_vision_param(name: str, param_map_cls, vision=None):
+    """The `ParamMap` of tower parameter `name` (`vision_model.*`) of the tower `vision` describes
+    (a Qwen3-VL tower: `qwen3_vl_bridge`); KeyError if unknown."""
+    from megarl.models.vision.qwen3_vl_spec import Qwen3VisionSpec
+
+    if isinstance(vision, Qwen3VisionSpec):
+        from megarl.models.vision.qwen3_vl_bridge import map_qwen3_vision_param
+
+        return map_qwen3_vision_param(name, param_map_cls)
     if name in _OTHER_RULES:
         hf, layout = _OTHER_RULES[name]
         return param_map_cls(name, (hf,), layout)
@@ -57,7 +64,14 @@ def map_vision_param(name: str, param_map_cls):
 
 
 def vision_hf_shapes(v) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every HF `visual.*` tensor for a `VisionSpec`."""
+    """Name -> shape of every HF `visual.*` tensor for a `VisionSpec` (`model.visual.*` for a
+    `Qwen3VisionSpec`)."""
+    from megarl.models.vision.qwen3_vl_spec import Qwen3VisionSpec
+
+    if isinstance(v, Qwen3VisionSpec):
+        from megarl.models.vision.qwen3_vl_bridge import qwen3_vision_hf_shapes
+
+        return qwen3_vision_hf_shapes(v)
     c, f, u = v.hidden_size, v.ffn_hidden_size, v.merged_size
     shapes = {
         "visual.patch_embed.proj.weight": (c, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size),

@@ -8,6 +8,8 @@ bridge, stream, checkpoints and PP schedules treat its LM like any dense family)
 
 - `pixel_values` [N, C*tp*p*p] and `image_grid_thw` [n_images, 3] (HF's image processor output;
   used on the first stage only),
+- `image_mask` [b, s] (optional): the placeholder positions that hold images (default: every
+  `image_token_id`; the trainer passes the prompts' ones, so a placeholder id in a response is text),
 - `position_ids` [3, b, s] M-RoPE ids (`megarl.models.vision.mrope.mrope_position_ids`, needed on
   every stage), or 2-D [b, s] for text only: then every token gets (p, p, p), with p its position
   within its own sequence of a packed THD row (the packed row's offsets are not positions).
@@ -42,25 +44,32 @@ def text_mrope_positions(position_ids: torch.Tensor, packed_seq_params) -> torch
 class Qwen2_5_VLModel(GPTModel):
     """GPTModel + Qwen2.5-VL vision tower on the first pipeline stage (module doc)."""
 
+    tower_class = VisionTransformer  # built as tower_class(arch_spec, lm_config)
+
     def __init__(self, *, arch_spec, **gpt_kwargs):
         gpt_kwargs.update(position_embedding_type="mrope", scatter_embedding_sequence_parallel=False)
         super().__init__(**gpt_kwargs)
         if self.config.context_parallel_size > 1:
-            raise ValueError("qwen2_5_vl does not support context parallelism yet")
+            raise ValueError(f"{arch_spec.model_type} does not support context parallelism yet")
         self.image_token_id = arch_spec.vision.image_token_id
-        self.vision_model = VisionTransformer(arch_spec, self.config) if self.pre_process else None
+        self.vision_model = self.tower_class(arch_spec, self.config) if self.pre_process else None
 
-    def embed(self, input_ids: torch.Tensor, pixel_values=None, image_grid_thw=None) -> torch.Tensor:
+    def image_embeddings(self, pixel_values: torch.Tensor, image_grid_thw, image_mask: torch.Tensor) -> torch.Tensor:
+        """[n_image_tokens, h] embeddings of the images, in placeholder order (image_mask [b, s])."""
+        return self.vision_model(pixel_values, image_grid_thw)
+
+    def embed(self, input_ids: torch.Tensor, pixel_values=None, image_grid_thw=None, image_mask=None) -> torch.Tensor:
         """Decoder input [s, b, h] (the sequence-parallel slice under SP): word embeddings with the
-        image embeddings at the placeholder tokens."""
+        image embeddings at the placeholder tokens (`image_mask` [b, s]: which ones, when not every
+        placeholder id is an image, e.g. one a policy generated)."""
         from megatron.core import tensor_parallel
 
         emb = self.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h], not SP-scattered
-        mask = input_ids == self.image_token_id
+        mask = input_ids == self.image_token_id if image_mask is None else image_mask
         if pixel_values is not None:
             if image_grid_thw is None:
                 raise ValueError("pixel_values without image_grid_thw")
-            image = self.vision_model(pixel_values, image_grid_thw)
+            image = self.image_embeddings(pixel_values, image_grid_thw, mask)
             if int(mask.sum()) != image.shape[0]:
                 raise ValueError(f"{int(mask.sum())} image placeholder tokens but the images give "
                                  f"{image.shape[0]} embeddings")
@@ -73,11 +82,11 @@ class Qwen2_5_VLModel(GPTModel):
 
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None,
                 inference_context=None, packed_seq_params=None, extra_block_kwargs=None,
-                runtime_gather_output=None, *, pixel_values=None, image_grid_thw=None, **kwargs):
+                runtime_gather_output=None, *, pixel_values=None, image_grid_thw=None, image_mask=None, **kwargs):
         if position_ids is not None and position_ids.dim() == 2:
             position_ids = text_mrope_positions(position_ids, packed_seq_params)
         if self.pre_process and decoder_input is None:
-            decoder_input = self.embed(input_ids, pixel_values, image_grid_thw)
+            decoder_input = self.embed(input_ids, pixel_values, image_grid_thw, image_mask)
         return super().forward(input_ids, position_ids, attention_mask, decoder_input=decoder_input,
                                labels=labels, inference_context=inference_context,
                                packed_seq_params=packed_seq_params, extra_block_kwargs=extra_block_kwargs,

@@ -3,8 +3,9 @@ through HF transformers and the Megatron model, max |logit difference|.
 
 The batch (`random_vlm_batch`): `batch` rows, each holding 1-2 images of random grids t = 1,
 h, w in {m, 2m, ..., 2 W m} patches (m = spatial merge size, W = merged tokens a window side, so
-windows are cut at the edges), framed by vision start / end tokens, between random text tokens,
-rows of `seq` text tokens plus the images' placeholders, topped up with text to one length.
+windows are cut at the edges; W = 2 for towers without windows), framed by vision start / end
+tokens, between random text tokens, rows of `seq` text tokens plus the images' placeholders, topped
+up with text to one length.
 pixel_values are standard-normal patch rows of HF's processor layout ([N, C*tp*p*p], what its
 normalisation produces), so no image processor config is needed.
 """
@@ -19,7 +20,7 @@ def random_vlm_batch(hf_config, spec, batch: int, seq: int, seed: int):
     v = spec.vision
     gen = torch.Generator().manual_seed(seed)
     m = v.spatial_merge_size
-    win = max(1, v.window_size // m // v.patch_size)
+    win = max(1, getattr(v, "window_size", 2 * m * v.patch_size) // m // v.patch_size)
     specials = {v.image_token_id, v.video_token_id, getattr(hf_config, "vision_start_token_id", -1),
                 getattr(hf_config, "vision_end_token_id", -1)}
     allowed = torch.tensor([i for i in range(spec.vocab_size) if i not in specials])
