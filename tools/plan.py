@@ -19,11 +19,25 @@ Mixture of experts (qwen3_moe, qwen2_moe): P_gpu = P_dense + P_expert, where P_d
   expert-data-parallel group, EDP = world / (ETP * EP * PP):
   optimizer  12 * P_dense / (DP * CP) + 12 * P_expert / EDP.
   MoE activations, dispatcher (alltoall) and grouped GEMM buffers: tools/plan_activations.py.
+Vision-language models (qwen2_5_vl, qwen3_vl, qwen3_vl_moe; the LM's fields from text_config or
+  the top level, an MoE LM as above): the vision tower (VisionTower) sits on the first pipeline
+  stage with its linears split over TP as megarl shards them (norms, patch embedding, position
+  table and row-parallel biases replicated): P_gpu += P_vision_sharded / TP + P_vision_replicated
+  for the actor, the critic (a vision-language critic keeps the tower) and the reference; its
+  Adam state shards over DP x CP like any dense parameter. With model.freeze_vision the tower
+  has weights only (no grads, no optimizer state). Images (stated assumptions:
+  --images-per-sample, --image-pixels or --image-tokens, --images-per-microbatch): an image is
+  T LM tokens (a square image of that many pixels with sides rounded by smart_resize to multiples
+  of p * m, T = (side / (p*m))^2) and T * m^2 tower patches; a prompt's image tokens count in
+  data.max_prompt_len (so the longest sequence is still max_prompt_len + max_new_tokens) and in
+  the mean prompt; a micro-batch holds the images of floor(max_tokens_per_microbatch / mean
+  sample length) samples unless --images-per-microbatch says otherwise; the tower's activations
+  for them: tools/plan_activations.py.
   activations, CP K/V exchange, attention workspace and logits of the model being trained: see
              tools/plan_activations.py (per micro-batch of max_tokens_per_microbatch / CP tokens per GPU).
   rollout    the engine reserves rollout.mem_fraction of the GPU for its weights
-             (2 * P_total / rollout_tp) and KV cache (2 * layers * kv_heads * head_dim * 2 bytes
-             per token, / rollout_tp); colocated, the training state is offloaded during rollout
+             (2 * P_total / rollout_tp, vision tower included) and KV cache (2 * layers * kv_heads
+             * head_dim * 2 bytes per token, / rollout_tp); colocated, the training state is offloaded during rollout
              when rollout.offload_train_state is true.
   reserve    --reserve-gib (CUDA contexts of trainer and engine, NCCL buffers, fragmentation).
 Phases: rollout = resident training state + engine share + reserve;
@@ -38,10 +52,14 @@ Time model (stated assumptions: --avg-prompt-len, --avg-response-len, --mfu, --d
   log-probs, reference, values; N = the parameters a token passes through, for an MoE model its
   active parameters: k of the E routed experts), plus causal attention 4*L*a*d*c per token forward (c = mean
   context), x3 for forward + backward (x4 with full recompute); time = FLOPs / (GPUs * peak * MFU).
+  A vision-language model adds its images' tower FLOPs per sample (VisionTower.forward_flops:
+  2 per weight per patch or merged token, non-causal attention 4 * patches * ctx * c per block)
+  x (1 + 3 * epochs) for actor and critic (the tower is never recomputed), once for the reference
+  and once in the rollout's prefill (2*N*prompt per sample there, image tokens included).
   decode: per engine step time = max((weight bytes + KV bytes read) / (HBM bw * eff),
-  2*N*batch / (rollout_tp * peak * eff)), weight bytes = all parameters (a decode batch of
-  hundreds of tokens routes to nearly every expert); steps = max(longest response, tokens per engine /
-  concurrent sequences the KV cache holds).
+  2*N*batch / (rollout_tp * peak * eff)), weight bytes = all LM parameters (a decode batch of
+  hundreds of tokens routes to nearly every expert; the vision tower is not read); steps =
+  max(longest response, tokens per engine / concurrent sequences the KV cache holds).
 """
 
 from __future__ import annotations
@@ -64,7 +82,7 @@ if TOOLS not in sys.path:
 from megarl.config import ConfigError, MegaRLConfig, load_config, validate_model, validate_world  # noqa: E402
 from plan_activations import (  # noqa: E402,F401  (the memory model's parts, re-exported for tests)
     activation_bytes, activation_bytes_per_token_layer, attention_workspace_bytes, cp_kv_exchange_bytes,
-    logits_bytes, train_overflow_message)
+    logits_bytes, train_overflow_message, vision_bytes_per_patch)
 
 GIB = 1024**3
 MOE_IMBALANCE = 2.0  # the busiest EP rank receives 2x the mean routed tokens (RL: no load-balancing loss)
@@ -84,11 +102,200 @@ GPUS = {
 }
 
 
+# vision-language model_type -> the family of its language model (text_config)
+VLM_TEXT_FAMILY = {"qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3_moe"}
+
+# vision_config defaults of transformers' Qwen2_5_VLVisionConfig / Qwen3VLVisionConfig (a hub
+# config.json may omit them: Qwen2.5-VL-32B's lists only the fields that differ)
+VISION_DEFAULTS = {
+    "qwen2_5_vl": dict(depth=32, hidden_size=3584, intermediate_size=3420, num_heads=16, in_channels=3,
+                       patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                       out_hidden_size=3584, fullatt_block_indexes=[7, 15, 23, 31]),
+    "qwen3_vl": dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, in_channels=3,
+                     patch_size=16, spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=3584,
+                     num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24]),
+}
+VISION_DEFAULTS["qwen3_vl_moe"] = VISION_DEFAULTS["qwen3_vl"]
+DEFAULT_IMAGE_PIXELS = 512 * 512  # a Geometry3K-sized diagram
+
+
+def lm_config(hf: dict) -> dict:
+    """The language model's fields of an HF config.json: a vision-language config keeps them in
+    text_config (Qwen3-VL; transformers 5 saves) or at the top level (Qwen2.5-VL hub files);
+    text_config wins, the top level fills the rest (vision_config, token ids)."""
+    return {**hf, **(hf.get("text_config") or {})}
+
+
+@dataclass(frozen=True)
+class VisionTower:
+    """Vision tower of a vision-language config.json (its vision_config), c = hidden, f = ffn,
+    m = spatial merge, u = c * m^2 (the merger's width), out = the LM's hidden size.
+
+    Qwen2.5-VL (qwen2_5_vl): patch embedding Conv3d without bias, `depth` blocks of RMSNorm (c),
+    fused qkv (3c x c + 3c), proj (c x c + c), SwiGLU MLP with biases (gate, up: f x c + f;
+    down: c x f + c); windowed attention (window_size px) except fullatt_block_indexes; merger
+    RMSNorm(c), Linear(u, u), GELU, Linear(u, out).
+    Qwen3-VL (qwen3_vl, qwen3_vl_moe): LayerNorm (weight + bias), GELU MLP (fc1: f x c + f; fc2:
+    c x f + c), patch embedding with bias, a learned position table (num_position_embeddings x c),
+    full attention in every block, the merger with LayerNorm(c), and one DeepStack merger per
+    deepstack_visual_indexes (LayerNorm over u, then the same two linears).
+
+    Tensor parallelism as megarl shards the Qwen2.5-VL tower (megarl.models.vision.bridge; the
+    Qwen3-VL tower is assumed to follow it): every linear's weight and the column-parallel biases
+    (qkv, gate / up / fc1, merger fc1) split over TP; norms, patch embedding, position table and
+    the row-parallel biases (proj, down / fc2, merger fc2) replicated. No SP, CP or recompute inside
+    the tower; it lives on the first pipeline stage."""
+
+    depth: int
+    hidden: int
+    ffn: int
+    heads: int
+    patch: int
+    temporal_patch: int
+    in_channels: int
+    merge: int
+    out_hidden: int
+    gated_mlp: bool
+    layer_norm: bool
+    patch_bias: bool
+    pos_embeddings: int = 0
+    deepstack: int = 0
+    window: int = 0  # attention window side in patches (0: every block attends over the whole image)
+    full_blocks: int = 0  # blocks with full attention when windowed
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "VisionTower":
+        model_type = hf.get("model_type", "")
+        if model_type not in VISION_DEFAULTS:
+            raise ConfigError(f"planner: vision-language model_type {model_type!r} is not modelled "
+                              f"({', '.join(VISION_DEFAULTS)} are)")
+        v = {**VISION_DEFAULTS[model_type], **(hf.get("vision_config") or {})}
+        qwen25 = model_type == "qwen2_5_vl"
+        patch = int(v["patch_size"])
+        return cls(
+            depth=v["depth"], hidden=v["hidden_size"], ffn=v["intermediate_size"], heads=v["num_heads"],
+            patch=patch, temporal_patch=int(v["temporal_patch_size"]), in_channels=v["in_channels"],
+            merge=v["spatial_merge_size"], out_hidden=v["out_hidden_size"], gated_mlp=qwen25, layer_norm=not qwen25,
+            patch_bias=not qwen25, pos_embeddings=0 if qwen25 else v["num_position_embeddings"],
+            deepstack=0 if qwen25 else len(v["deepstack_visual_indexes"]),
+            window=v["window_size"] // patch if qwen25 else 0,
+            full_blocks=len(v["fullatt_block_indexes"]) if qwen25 else v["depth"])
+
+    @property
+    def patch_dim(self) -> int:
+        """Values per patch row of pixel_values: C * tp * p * p."""
+        return self.in_channels * self.temporal_patch * self.patch**2
+
+    @property
+    def merged(self) -> int:
+        """u = c * m^2, the width of a merged token."""
+        return self.hidden * self.merge**2
+
+    def _norm(self, width: int) -> int:
+        return 2 * width if self.layer_norm else width  # LayerNorm: weight + bias; RMSNorm: weight
+
+    def block_params(self) -> tuple[int, int]:
+        """(TP-sharded, replicated) parameters of one block: qkv 3c^2 + 3c, proj c^2, MLP
+        k*(f*c + f) + c*f (k = 2 gated, 1 plain) split; proj and down / fc2 biases (2c) and the two
+        norms replicated."""
+        c, f = self.hidden, self.ffn
+        sharded = 3 * c * c + 3 * c + c * c + (2 if self.gated_mlp else 1) * (f * c + f) + c * f
+        return sharded, 2 * c + 2 * self._norm(c)
+
+    def merger_params(self, deepstack: bool = False) -> tuple[int, int]:
+        """(TP-sharded, replicated) of one merger: fc1 u^2 + u, fc2 weight out*u split; fc2 bias
+        and the norm (over c; over u for a DeepStack merger) replicated."""
+        u, out = self.merged, self.out_hidden
+        return u * u + u + out * u, out + self._norm(u if deepstack else self.hidden)
+
+    def embed_params(self) -> int:
+        """Replicated: patch embedding c * C*tp*p*p (+ c bias) and the position table."""
+        c = self.hidden
+        return c * self.patch_dim + (c if self.patch_bias else 0) + self.pos_embeddings * c
+
+    def split_params(self) -> tuple[int, int]:
+        """(TP-sharded, replicated) parameters of the whole tower."""
+        bs, br = self.block_params()
+        ms, mr = self.merger_params()
+        ds, dr = self.merger_params(deepstack=True)
+        return (self.depth * bs + ms + self.deepstack * ds,
+                self.embed_params() + self.depth * br + mr + self.deepstack * dr)
+
+    def total_params(self) -> int:
+        return sum(self.split_params())
+
+    def stage_params(self, tp: int) -> float:
+        """Tower parameters on one GPU of the first stage: sharded / TP + replicated."""
+        sharded, replicated = self.split_params()
+        return sharded / tp + replicated
+
+    def image_tokens(self, pixels: int) -> int:
+        """LM tokens of a square image of `pixels` pixels after Qwen's smart_resize (sides rounded
+        to multiples of p * m): (side / (p*m))^2; it feeds the tower tokens * m^2 patches."""
+        f = self.patch * self.merge
+        side = max(1, round(math.sqrt(pixels) / f))
+        return side * side
+
+    def forward_flops(self, patches: int) -> float:
+        """Forward FLOPs of one image of `patches` patches: 2 per weight per patch through the patch
+        embedding and blocks (c * C*tp*p*p + depth * (4c^2 + k*f*c), k = 3 gated / 2 plain), 2 per
+        weight per merged token (patches / m^2) through the (1 + DeepStack) mergers (u^2 + out*u),
+        and non-causal attention 4 * patches * ctx * c per block (ctx = window^2 patches in the
+        windowed blocks, the image's patches in the full-attention ones)."""
+        c, f, u = self.hidden, self.ffn, self.merged
+        linear = c * self.patch_dim + self.depth * (4 * c * c + (3 if self.gated_mlp else 2) * f * c)
+        mergers = (1 + self.deepstack) * (u * u + self.out_hidden * u) * patches / self.merge**2
+        windowed = self.depth - self.full_blocks
+        ctx = self.full_blocks * patches + windowed * min(self.window**2, patches)
+        return 2.0 * linear * patches + 2.0 * mergers + 4.0 * patches * ctx * c
+
+
+@dataclass(frozen=True)
+class Images:
+    """The image load the planner assumes for a vision-language model: `per_sample` images of
+    `tokens` LM tokens each (placeholder tokens, after the m x m merge; from --image-tokens or
+    --image-pixels), i.e. tokens * m^2 tower patches; `per_microbatch` images in one micro-batch
+    (--images-per-microbatch), else as many samples as a micro-batch holds at the mean sample
+    length (plan.mean_lengths), times per_sample."""
+
+    per_sample: int
+    tokens: int
+    merge: int
+    per_microbatch: int | None = None
+
+    @property
+    def sample_tokens(self) -> int:
+        return self.per_sample * self.tokens
+
+    @property
+    def patches(self) -> int:
+        """Tower patches of one image: tokens * m^2."""
+        return self.tokens * self.merge**2
+
+    def in_microbatch(self, budget: int, mean_sample: float) -> int:
+        """Images in one micro-batch of `budget` tokens: per_microbatch, else
+        max(1, floor(budget / mean_sample)) samples x per_sample."""
+        if self.per_microbatch is not None:
+            return self.per_microbatch
+        return max(1, int(budget // max(mean_sample, 1))) * self.per_sample
+
+
+def image_load(arch: "Arch", per_sample: int = 1, pixels: int = DEFAULT_IMAGE_PIXELS, tokens: int | None = None,
+               per_microbatch: int | None = None) -> Images | None:
+    """The assumed `Images` of a vision-language model (None for a text model)."""
+    if arch.vision is None:
+        return None
+    return Images(per_sample, tokens if tokens is not None else arch.vision.image_tokens(pixels), arch.vision.merge,
+                  per_microbatch)
+
+
 @dataclass(frozen=True)
 class Arch:
     """Decoder architecture read from an HF config.json: dense, or MoE when num_experts > 0 (every
     layer's MLP = router + num_experts routed experts of moe_ffn, moe_topk per token, + an
-    optional shared expert of shared_ffn with a sigmoid gate, as Qwen2-MoE)."""
+    optional shared expert of shared_ffn with a sigmoid gate, as Qwen2-MoE); a vision-language
+    config (qwen2_5_vl, qwen3_vl, qwen3_vl_moe) adds its vision tower (`VisionTower`) and keeps
+    the LM's fields in text_config or at its top level (`lm_config`)."""
 
     hidden: int
     layers: int
@@ -104,30 +311,41 @@ class Arch:
     moe_topk: int = 0
     moe_ffn: int = 0
     shared_ffn: int = 0
+    vision: VisionTower | None = None
 
     @classmethod
     def from_hf(cls, hf: dict) -> "Arch":
         model_type = hf.get("model_type", "")
-        if any(hf.get(k) for k in ("num_local_experts", "n_routed_experts")) or (
-                hf.get("num_experts") and model_type not in ("qwen3_moe", "qwen2_moe")):
-            raise ConfigError(f"planner: MoE model_type {model_type!r} is not modelled (qwen3_moe and qwen2_moe are)")
-        heads = hf["num_attention_heads"]
-        experts = int(hf.get("num_experts") or 0)
+        family = VLM_TEXT_FAMILY.get(model_type, model_type)
+        if hf.get("vision_config") is not None and model_type not in VLM_TEXT_FAMILY:
+            raise ConfigError(f"planner: vision-language model_type {model_type!r} is not modelled "
+                              f"({', '.join(VLM_TEXT_FAMILY)} are)")
+        t = lm_config(hf)
+        if any(t.get(k) for k in ("num_local_experts", "n_routed_experts")) or (
+                t.get("num_experts") and family not in ("qwen3_moe", "qwen2_moe")):
+            raise ConfigError(f"planner: MoE model_type {model_type!r} is not modelled "
+                              "(qwen3_moe, qwen2_moe and qwen3_vl_moe are)")
+        heads = t["num_attention_heads"]
+        experts = int(t.get("num_experts") or 0)
+        # HF's Qwen2 attention (Qwen2.5-VL's LM too) ignores head_dim: hidden / heads
+        head_dim = (None if family == "qwen2" else t.get("head_dim")) or t["hidden_size"] // heads
+        tie = hf.get("tie_word_embeddings", t.get("tie_word_embeddings", False))
         return cls(
-            hidden=hf["hidden_size"],
-            layers=hf["num_hidden_layers"],
+            hidden=t["hidden_size"],
+            layers=t["num_hidden_layers"],
             heads=heads,
-            kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-            ffn=hf["intermediate_size"],
-            vocab=hf["vocab_size"],
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=bool(hf.get("attention_bias", model_type in ("qwen2", "qwen2_moe"))),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            kv_heads=t.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            ffn=t["intermediate_size"],
+            vocab=t["vocab_size"],
+            tie_embeddings=bool(tie),
+            qkv_bias=bool(t.get("attention_bias", family in ("qwen2", "qwen2_moe"))),
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             num_experts=experts,
-            moe_topk=int(hf.get("num_experts_per_tok") or 0) if experts else 0,
-            moe_ffn=int(hf.get("moe_intermediate_size") or 0) if experts else 0,
-            shared_ffn=int(hf.get("shared_expert_intermediate_size") or 0) if experts else 0,
+            moe_topk=int(t.get("num_experts_per_tok") or 0) if experts else 0,
+            moe_ffn=int(t.get("moe_intermediate_size") or 0) if experts else 0,
+            shared_ffn=int(t.get("shared_expert_intermediate_size") or 0) if experts else 0,
+            vision=VisionTower.from_hf(hf) if model_type in VLM_TEXT_FAMILY else None,
         )
 
     def _attention_params(self) -> int:
@@ -154,32 +372,44 @@ class Arch:
         mlp = 3 * self.hidden * (self.shared_ffn if self.num_experts else self.ffn)
         return self._attention_params() + mlp + self.expert_layer_params() + self._replicated_layer_params()
 
-    def total_params(self, value_head: bool = False) -> int:
-        """All parameters; a critic replaces the LM head with a scalar value head (h + 1)."""
+    def lm_params(self, value_head: bool = False) -> int:
+        """The language model's parameters; a critic replaces the LM head with a scalar value head (h + 1)."""
         emb = self.vocab * self.hidden
         head = (self.hidden + 1) if value_head else (0 if self.tie_embeddings else emb)
         return emb + self.layers * self.layer_params() + self.hidden + head
 
+    def total_params(self, value_head: bool = False) -> int:
+        """All parameters: the language model and the vision tower (a vision-language critic keeps it)."""
+        return self.lm_params(value_head) + (self.vision.total_params() if self.vision else 0)
+
     def active_params(self, value_head: bool = False) -> int:
-        """Parameters one token passes through: all of them less the routed experts it is not sent
-        to, layers * (E - k) * 3*h*f_e (= total_params for a dense model)."""
+        """Parameters one LM token passes through: the language model's less the routed experts it
+        is not sent to, layers * (E - k) * 3*h*f_e (= lm_params for a dense model); the tower's
+        work is per patch (VisionTower.forward_flops)."""
         idle = self.layers * (self.num_experts - self.moe_topk) * 3 * self.hidden * self.moe_ffn
-        return self.total_params(value_head) - idle
+        return self.lm_params(value_head) - idle
 
     def stage_expert_params(self, pp: int, ep: int = 1, etp: int = 1) -> int:
         """Routed-expert parameters on one GPU: layers_per_stage * E * 3*h*f_e / (EP * ETP)."""
         return math.ceil(self.layers / pp) * self.expert_layer_params() // (ep * etp)
 
-    def stage_params(self, tp: int, pp: int, value_head: bool = False, ep: int = 1, etp: int | None = None) -> int:
+    def stage_vision_params(self, tp: int) -> int:
+        """Vision-tower parameters on one GPU of the first stage (0 for a text model)."""
+        return int(math.ceil(self.vision.stage_params(tp))) if self.vision else 0
+
+    def stage_params(self, tp: int, pp: int, value_head: bool = False, ep: int = 1, etp: int | None = None,
+                     vision: bool = True) -> int:
         """Parameters on one GPU of the largest pipeline stage (TP-sharded; norms, router
-        replicated; routed experts over EP x ETP, ETP = etp or tp)."""
+        replicated; routed experts over EP x ETP, ETP = etp or tp; the vision tower on the first
+        stage, `VisionTower.stage_params`, unless vision=False: a frozen tower's untrained part)."""
         layers_per_stage = math.ceil(self.layers / pp)
         replicated = self._replicated_layer_params()
         sharded_layer = (self.layer_params() - replicated - self.expert_layer_params()) / tp
         per_layer = sharded_layer + replicated
         emb = self.vocab * self.hidden / tp
         head = (self.hidden + 1) if value_head else (emb if (not self.tie_embeddings or pp > 1) else 0)
-        first = emb + layers_per_stage * per_layer + (head + self.hidden if pp == 1 else 0)
+        first = (emb + (self.stage_vision_params(tp) if vision else 0) + layers_per_stage * per_layer
+                 + (head + self.hidden if pp == 1 else 0))
         last = layers_per_stage * per_layer + self.hidden + head + (emb if pp == 1 else 0)
         dense = int(math.ceil(max(first, last) if pp > 1 else first))
         return dense + self.stage_expert_params(pp, ep, etp or tp)
@@ -235,17 +465,20 @@ def model_states(arch: Arch, cfg: MegaRLConfig, world: int) -> list[ModelState]:
     dp_cp = world // (p.tp * p.pp)  # the distributed optimizer shards over DP x CP
     edp = max(1, world // (etp * p.ep * p.pp))  # ... and expert parameters over expert-DP
     wbytes = 4 if cfg.model.dtype == "fp32" else 2
+    # model.freeze_vision: the tower gets no gradient and no optimizer state (getattr: older schemas lack it)
+    frozen = bool(getattr(cfg.model, "freeze_vision", False))
     out = []
     roles = [("actor", False)] + ([("critic", True)] if cfg.critic.enable else [])
     for role, value_head in roles:
         o = getattr(cfg, role)
         n = arch.stage_params(p.tp, p.pp, value_head, p.ep, etp)
         experts = arch.stage_expert_params(p.pp, p.ep, etp)
+        trained = arch.stage_params(p.tp, p.pp, value_head, p.ep, etp, vision=not frozen)
         if o.use_distributed_optimizer:
-            opt = 12.0 * (n - experts) / dp_cp + 12.0 * experts / edp
+            opt = 12.0 * (trained - experts) / dp_cp + 12.0 * experts / edp
         else:
-            opt = 12.0 * n
-        out.append(ModelState(role, n, wbytes * n, wbytes * n, opt, o.offload_optimizer))
+            opt = 12.0 * trained
+        out.append(ModelState(role, n, wbytes * n, wbytes * trained, opt, o.offload_optimizer))
     if cfg.algorithm.kl_coef > 0 or cfg.algorithm.kl_in_reward:
         n = arch.stage_params(p.tp, p.pp, False, p.ep, etp)
         out.append(ModelState("reference", n, wbytes * n, 0.0, 0.0, False))
@@ -268,6 +501,7 @@ class Plan:
     rollout_peak: float
     train_peak: float
     reserve: float
+    images: Images | None = None
     problems: list[str] = field(default_factory=list)
     time: dict[str, float] = field(default_factory=dict)
 
@@ -278,11 +512,14 @@ class Plan:
 
 def plan(cfg: MegaRLConfig, arch: Arch, hf: dict, gpu: GPU, reserve_gib: float = 6.0,
          avg_prompt_len: int | None = None, avg_response_len: int | None = None,
-         mfu: float = 0.4, decode_eff: float = 0.6, gen_rounds: int = 1, moe_imbalance: float = MOE_IMBALANCE) -> Plan:
+         mfu: float = 0.4, decode_eff: float = 0.6, gen_rounds: int = 1, moe_imbalance: float = MOE_IMBALANCE,
+         images: Images | None = None) -> Plan:
+    """The plan of `cfg` on `gpu`; a vision-language model without `images` gets image_load(arch)."""
     p, r = cfg.parallel, cfg.rollout
     world = p.nodes * p.gpus_per_node
-    problems: list[str] = []
-    for check in (lambda: validate_world(cfg, world), lambda: validate_model(cfg, hf)):
+    images = images or image_load(arch)
+    problems: list[str] = vision_problems(arch, cfg, images)
+    for check in (lambda: validate_world(cfg, world), lambda: validate_model(cfg, lm_config(hf))):
         try:
             check()
         except ConfigError as e:
@@ -291,7 +528,9 @@ def plan(cfg: MegaRLConfig, arch: Arch, hf: dict, gpu: GPU, reserve_gib: float =
     reserve = reserve_gib * GIB
     cap = gpu.mem_bytes
     states = model_states(arch, cfg, world)
-    acts = {s.role: activation_bytes(arch, cfg, s.role, moe_imbalance) for s in states if s.role != "reference"}
+    sample = sum(mean_lengths(cfg, avg_prompt_len, avg_response_len, images))
+    acts = {s.role: activation_bytes(arch, cfg, s.role, moe_imbalance, microbatch_patches(cfg, s.role, images, sample))
+            for s in states if s.role != "reference"}
 
     # rollout phase: engine share (static reservation) + whatever training state stays resident
     engine_share = r.mem_fraction * cap
@@ -318,9 +557,46 @@ def plan(cfg: MegaRLConfig, arch: Arch, hf: dict, gpu: GPU, reserve_gib: float =
         problems.append(train_overflow_message(cfg, states, acts, train_peak, step > fwd_bwd, cap, reserve))
 
     out = Plan(arch, gpu, world, dp, arch.total_params(), states, acts, engine_share, engine_weights, kv_pool,
-               kv_tokens, rollout_peak, train_peak, reserve, problems)
-    out.time = step_time(cfg, arch, gpu, world, kv_tokens, avg_prompt_len, avg_response_len, mfu, decode_eff, gen_rounds)
+               kv_tokens, rollout_peak, train_peak, reserve, images, problems)
+    out.time = step_time(cfg, arch, gpu, world, kv_tokens, avg_prompt_len, avg_response_len, mfu, decode_eff, gen_rounds,
+                         images)
     return out
+
+
+def microbatch_patches(cfg: MegaRLConfig, role: str, images: Images | None, mean_sample: float) -> int:
+    """Vision-tower patches of one `role` micro-batch: Images.in_microbatch(budget, mean sample
+    length) images x tokens * m^2 patches (0 for a text model)."""
+    if images is None:
+        return 0
+    return images.in_microbatch(getattr(cfg, role).max_tokens_per_microbatch, mean_sample) * images.patches
+
+
+def vision_problems(arch: Arch, cfg: MegaRLConfig, images: Images | None) -> list[str]:
+    """Layout rules of the vision tower (megatron's column-parallel linears split heads and the MLP
+    over TP) and prompts with room for the assumed images."""
+    v, tp, out = arch.vision, cfg.parallel.tp, []
+    if v is None:
+        return out
+    if v.heads % tp or v.ffn % tp:
+        out.append(f"parallel.tp={tp}: the vision tower's num_heads={v.heads} and intermediate_size={v.ffn} "
+                   "must both divide by tp")
+    if images and images.sample_tokens >= cfg.data.max_prompt_len:
+        out.append(f"data.max_prompt_len={cfg.data.max_prompt_len} counts image tokens and leaves no room for "
+                   f"{images.per_sample} x {images.tokens} image tokens: every prompt would be skipped")
+    return out
+
+
+def mean_lengths(cfg: MegaRLConfig, avg_prompt_len: int | None, avg_response_len: int | None,
+                 images: Images | None = None) -> tuple[int, int]:
+    """(mean prompt, mean response) tokens: --avg-prompt-len text tokens (default min(256,
+    max_prompt_len)) plus the image tokens (per_sample x tokens; the prompt stays within
+    data.max_prompt_len, which counts them), --avg-response-len (default max_new_tokens / 2,
+    at most max_new_tokens)."""
+    prompt = avg_prompt_len if avg_prompt_len is not None else min(256, cfg.data.max_prompt_len)
+    if images is not None:
+        prompt = min(prompt + images.sample_tokens, cfg.data.max_prompt_len)
+    resp = avg_response_len if avg_response_len is not None else cfg.rollout.max_new_tokens // 2
+    return prompt, min(resp, cfg.rollout.max_new_tokens)
 
 
 # ----------------------------------------------------------------------------- time
@@ -328,12 +604,10 @@ def plan(cfg: MegaRLConfig, arch: Arch, hf: dict, gpu: GPU, reserve_gib: float =
 
 def step_time(cfg: MegaRLConfig, arch: Arch, gpu: GPU, world: int, kv_tokens: float,
               avg_prompt_len: int | None, avg_response_len: int | None, mfu: float,
-              decode_eff: float, gen_rounds: int) -> dict[str, float]:
+              decode_eff: float, gen_rounds: int, images: Images | None = None) -> dict[str, float]:
     r, a, p = cfg.rollout, cfg.algorithm, cfg.parallel
-    prompt = avg_prompt_len if avg_prompt_len is not None else min(256, cfg.data.max_prompt_len)
+    prompt, resp = mean_lengths(cfg, avg_prompt_len, avg_response_len, images)
     gen_cap = r.max_new_tokens
-    resp = avg_response_len if avg_response_len is not None else r.max_new_tokens // 2
-    resp = min(resp, gen_cap)
     seq = prompt + resp
     n_actor = arch.active_params()  # FLOPs per token: the experts a token is routed to
     n_critic = arch.active_params(value_head=True)
@@ -341,15 +615,19 @@ def step_time(cfg: MegaRLConfig, arch: Arch, gpu: GPU, world: int, kv_tokens: fl
     tokens = samples * seq
     attn_fwd_per_token = 4.0 * arch.layers * arch.heads * arch.head_dim * (seq / 2)
 
+    # the vision tower: forward FLOPs of a sample's images, never recomputed (3 passes to train)
+    tower = images.per_sample * arch.vision.forward_flops(images.patches) if images and arch.vision else 0.0
+
     def fwd(n: float) -> float:
         return (2.0 * n + attn_fwd_per_token) * tokens
 
     train_passes = 4 if cfg.model.recompute == "full" else 3  # full recompute repeats the forward
-    flops = fwd(n_actor) * (1 + train_passes * a.ppo_epochs)  # old log-probs + training
+    lm_passes, tower_passes = 1 + train_passes * a.ppo_epochs, 1 + 3 * a.ppo_epochs  # old log-probs + training
+    flops = fwd(n_actor) * lm_passes + tower * samples * tower_passes
     if a.kl_coef > 0 or a.kl_in_reward:
-        flops += fwd(n_actor)
+        flops += fwd(n_actor) + tower * samples
     if cfg.critic.enable:
-        flops += fwd(n_critic) * (1 + train_passes * a.ppo_epochs)
+        flops += fwd(n_critic) * lm_passes + tower * samples * tower_passes
     train_s = flops / (world * gpu.bf16_flops * mfu)
 
     engines = world // p.rollout_tp
@@ -357,14 +635,16 @@ def step_time(cfg: MegaRLConfig, arch: Arch, gpu: GPU, world: int, kv_tokens: fl
     seqs_per_engine = math.ceil(gen_prompts * r.n_samples_per_prompt / max(engines, 1))
     concurrent = max(1, min(seqs_per_engine, int(kv_tokens // seq)))
     steps = max(gen_cap, math.ceil(seqs_per_engine * resp / concurrent))
-    weight_bytes = 2.0 * arch.total_params() / p.rollout_tp  # a decode batch touches nearly every expert
+    weight_bytes = 2.0 * arch.lm_params() / p.rollout_tp  # a decode batch touches nearly every expert (not the tower)
     kv_read = concurrent * (seq / 2) * arch.kv_bytes_per_token(p.rollout_tp)
     t_mem = (weight_bytes + kv_read) / (gpu.hbm_bytes_per_s * decode_eff)
     t_flops = 2.0 * n_actor * concurrent / (p.rollout_tp * gpu.bf16_flops * decode_eff)
     decode_step = max(t_mem, t_flops)
-    prefill_s = 2.0 * n_actor * prompt * gen_prompts * r.n_samples_per_prompt / (world * gpu.bf16_flops * mfu)
+    prefill_s = ((2.0 * n_actor * prompt + tower) * gen_prompts * r.n_samples_per_prompt
+                 / (world * gpu.bf16_flops * mfu))
     rollout_s = steps * decode_step + prefill_s
     return {"avg_prompt_len": prompt, "avg_response_len": resp, "train_tokens": tokens, "train_flops": flops,
+            "vision_flops_per_sample": tower,
             "train_s": train_s, "concurrent_seqs_per_engine": concurrent, "seqs_per_engine": seqs_per_engine,
             "decode_steps": steps, "decode_step_s": decode_step, "rollout_s": rollout_s,
             "step_s": train_s + rollout_s, "mfu": mfu}
@@ -376,14 +656,23 @@ def step_time(cfg: MegaRLConfig, arch: Arch, gpu: GPU, world: int, kv_tokens: fl
 def format_plan(cfg: MegaRLConfig, pl: Plan, arch_src: str) -> str:
     p = cfg.parallel
     g = lambda b: f"{b / GIB:7.1f} GiB"  # noqa: E731
+    v, im = pl.arch.vision, pl.images
     lines = [
         f"model {cfg.model.name or cfg.model.hf_path} ({pl.params_total / 1e9:.2f}B params"
+        + (f": {pl.arch.lm_params() / 1e9:.2f}B LM + {v.total_params() / 1e9:.2f}B vision tower" if v else "")
         + (f", {pl.arch.active_params() / 1e9:.2f}B active: {pl.arch.num_experts} experts, top-{pl.arch.moe_topk}"
            if pl.arch.num_experts else "") + f", from {arch_src})",
         f"layout: {p.nodes} nodes x {p.gpus_per_node} {pl.gpu.name} = {pl.world} GPUs; tp={p.tp} pp={p.pp} cp={p.cp} "
         f"dp={pl.dp} vpp={p.vpp} sp={cfg.model.sequence_parallel} recompute={cfg.model.recompute} rollout_tp={p.rollout_tp}"
         + (f" ep={p.ep} etp={p.etp or p.tp} edp={max(1, pl.world // ((p.etp or p.tp) * p.ep * p.pp))}"
            if pl.arch.num_experts else ""),
+    ]
+    if v and im:
+        lines.append(f"images: {im.per_sample} per sample x {im.tokens} tokens ({im.patches} tower patches); "
+                     f"vision tower {v.depth} blocks x {v.hidden} wide on the first stage, "
+                     f"{pl.arch.stage_vision_params(p.tp) / 1e9:.2f}B params/GPU"
+                     + (" (frozen)" if getattr(cfg.model, "freeze_vision", False) else ""))
+    lines += [
         "",
         "per-GPU memory",
     ]
@@ -396,17 +685,20 @@ def format_plan(cfg: MegaRLConfig, pl: Plan, arch_src: str) -> str:
         budget = getattr(cfg, role).max_tokens_per_microbatch
         kv_mib = a["kv_exchange"] / 2**20
         moe = f", MoE dispatcher + grouped GEMM buffers {g(a['moe_buffers'])}" if pl.arch.num_experts else ""
+        vis = (f", vision tower {g(a['vision'])} for {a['patches'] // im.patches} images = {a['patches']:,} patches"
+               if v and im else "")
         lines.append(f"  {role:<9} activations {g(a['total'])} (layers {g(a['layers'])}, CP K/V {kv_mib:,.0f} MiB, "
-                     f"attention workspace {g(a['workspace'])}, logits {g(a['logits'])}{moe}) at {budget} tokens/micro-batch "
-                     f"= {budget // p.cp} per GPU")
+                     f"attention workspace {g(a['workspace'])}, logits {g(a['logits'])}{moe}{vis}) at {budget} "
+                     f"tokens/micro-batch = {budget // p.cp} per GPU")
     lines += [
         f"  engine    share {g(pl.engine_share)} (weights {g(pl.engine_weights)}, KV pool {g(max(pl.kv_pool, 0))} "
         f"= {pl.kv_tokens:,.0f} tokens)",
         f"  reserve   {g(pl.reserve)}",
         f"  rollout phase peak {g(pl.rollout_peak)}   train phase peak {g(pl.train_peak)}   capacity {g(pl.gpu.mem_bytes)}",
         "",
-        f"step time (assumed mean prompt {pl.time['avg_prompt_len']} / response {pl.time['avg_response_len']} tokens, "
-        f"MFU {pl.time['mfu']:.2f})",
+        f"step time (assumed mean prompt {pl.time['avg_prompt_len']}"
+        + (f" incl. {im.sample_tokens} image tokens" if v and im else "")
+        + f" / response {pl.time['avg_response_len']} tokens, MFU {pl.time['mfu']:.2f})",
         f"  rollout {pl.time['rollout_s'] / 60:6.1f} min  ({pl.time['decode_steps']:,} decode steps x "
         f"{pl.time['decode_step_s'] * 1e3:.1f} ms, {pl.time['concurrent_seqs_per_engine']} of "
         f"{pl.time['seqs_per_engine']} sequences concurrent per engine)",
@@ -433,6 +725,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--gen-rounds", type=int, default=1, help="dynamic-sampling generation rounds per step")
     ap.add_argument("--moe-imbalance", type=float, default=MOE_IMBALANCE,
                     help="MoE: routed tokens on the busiest EP rank over the mean (1 = perfectly balanced)")
+    ap.add_argument("--images-per-sample", type=int, default=1, help="vision-language models: images per prompt")
+    ap.add_argument("--image-pixels", type=int, default=DEFAULT_IMAGE_PIXELS,
+                    help="vision-language models: pixels of each (square) image after the processor's resize")
+    ap.add_argument("--image-tokens", type=int,
+                    help="vision-language models: LM tokens per image (overrides --image-pixels)")
+    ap.add_argument("--images-per-microbatch", type=int,
+                    help="vision-language models: images in one training micro-batch (default: the samples a "
+                         "micro-batch holds at the mean sample length x --images-per-sample)")
     ap.add_argument("overrides", nargs="*", help="dotted config overrides")
     return ap
 
@@ -443,8 +743,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config([args.recipe, *args.layout], overrides)
         arch, hf, src = load_arch(cfg, args.model_json)
+        images = image_load(arch, args.images_per_sample, args.image_pixels, args.image_tokens, args.images_per_microbatch)
         pl = plan(cfg, arch, hf, GPUS[args.gpu], args.reserve_gib, args.avg_prompt_len, args.avg_response_len,
-                  args.mfu, args.decode_eff, args.gen_rounds, args.moe_imbalance)
+                  args.mfu, args.decode_eff, args.gen_rounds, args.moe_imbalance, images)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

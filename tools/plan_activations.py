@@ -44,6 +44,18 @@ Mixture of experts (megatron's MoE layer, alltoall token dispatcher; megatron re
     receive buffer, 2*k*t*h + 2*k*t*h*u bytes (+ 2*k*t*ETP*h*u for the expert-TP all-gather when
     ETP > 1), and the grouped GEMM's gradient buffers of the FC1 output and FC2 input in the
     backward, 6*k*t*f_e*u bytes.
+Vision tower (vision-language models; first pipeline stage, so x the micro-batches in flight
+    there): P patches per micro-batch (plan.microbatch_patches: images x tokens * m^2), replicated
+    over TP (no SP, no CP) and never recomputed (megarl's tower config has no recompute), c the
+    tower width, f its MLP width, a its heads; per patch
+        depth * (8c + (8c + k*f + 4a) / TP)     (per block, as R and S above with g = a, a*d = c:
+                                                  norms' and QKV / FC1 inputs 8c replicated; Q, K, V
+                                                  and attention output 8c, the MLP's k*f = 6f gated /
+                                                  4f GELU, the attention kernel's fp32 log-sum-exp 4a)
+      + (1 + DeepStack) * (4c + 4c / TP)         (each merger: norm and FC1 inputs 4c replicated, FC1
+                                                  output and FC2 input 2*u/m^2 = 2c each, split)
+      + 2 * C*tp*p*p                             (the bf16 pixel rows the patch embedding keeps)
+    bytes = P * that (small terms -- rotary angles, LayerNorm statistics -- left out).
 """
 
 from __future__ import annotations
@@ -160,12 +172,26 @@ def logits_bytes(arch: Arch, cfg: MegaRLConfig, tokens_per_gpu: float) -> float:
     return tokens_per_gpu * vocab * 4.0 + chunk * vocab * 12.0
 
 
-def activation_bytes(arch: Arch, cfg: MegaRLConfig, role: str, moe_imbalance: float = 1.0) -> dict[str, float]:
-    """Peak activation bytes on one GPU while training ``role`` (actor | critic).
+def vision_bytes_per_patch(arch: Arch, cfg: MegaRLConfig) -> float:
+    """Bytes the vision tower keeps for the backward per patch (module doc; 0 for a text model)."""
+    v, tp = arch.vision, cfg.parallel.tp
+    if v is None:
+        return 0.0
+    c = v.hidden
+    block = 8.0 * c + (8.0 * c + (6.0 if v.gated_mlp else 4.0) * v.ffn + 4.0 * v.heads) / tp
+    mergers = (1 + v.deepstack) * (4.0 * c + 4.0 * c / tp)
+    return v.depth * block + mergers + 2.0 * v.patch_dim
+
+
+def activation_bytes(arch: Arch, cfg: MegaRLConfig, role: str, moe_imbalance: float = 1.0,
+                     patches: int = 0) -> dict[str, float]:
+    """Peak activation bytes on one GPU while training ``role`` (actor | critic); ``patches``:
+    vision-tower patches in one micro-batch (vision-language models).
 
     Keys: layers (kept for the backward, x micro-batches in flight), kv_exchange (the CP K/V
     buffers, kept and transient), workspace (transient attention blocks), logits, moe_buffers
-    (transient dispatcher + grouped GEMM buffers of one MoE layer), total.
+    (transient dispatcher + grouped GEMM buffers of one MoE layer), vision (the tower's, x the
+    micro-batches in flight on the first stage), total.
     """
     p, m = cfg.parallel, cfg.model
     budget = getattr(cfg, role).max_tokens_per_microbatch
@@ -189,8 +215,10 @@ def activation_bytes(arch: Arch, cfg: MegaRLConfig, role: str, moe_imbalance: fl
     workspace = attention_workspace_bytes(arch, cfg, budget, seq_len)
     logits = 0.0 if role == "critic" else logits_bytes(arch, cfg, s)
     moe_buffers = moe_buffer_bytes(arch, cfg, s / p.tp if m.sequence_parallel else s, moe_imbalance)
+    vision = patches * vision_bytes_per_patch(arch, cfg) * inflight
     return {"layers": layer_acts, "kv_exchange": kv_exchange, "workspace": workspace, "logits": logits,
-            "moe_buffers": moe_buffers, "total": layer_acts + kv_exchange + workspace + logits + moe_buffers}
+            "moe_buffers": moe_buffers, "vision": vision, "patches": patches,
+            "total": layer_acts + kv_exchange + workspace + logits + moe_buffers + vision}
 
 
 TERM_ADVICE = {
@@ -204,6 +232,8 @@ TERM_ADVICE = {
                            "raise parallel.tp",
     "logits": "lower model.logprob_chunk_tokens, raise parallel.cp or parallel.tp",
     "MoE buffers": "lower max_tokens_per_microbatch or raise parallel.cp / parallel.tp (fewer tokens routed per GPU)",
+    "vision tower": "fewer or smaller images per micro-batch (lower max_tokens_per_microbatch, data.max_image_tokens) "
+                    "or raise parallel.tp (the tower's attention and MLP split over TP)",
 }
 
 
@@ -219,10 +249,12 @@ def train_overflow_message(cfg: MegaRLConfig, states: list["ModelState"], acts: 
         a = acts[worst]
         tokens = getattr(cfg, worst).max_tokens_per_microbatch / cfg.parallel.cp
         terms = {"model states": resident, "layer activations": a["layers"], "CP K/V exchange": a["kv_exchange"],
-                 "attention workspace": a["workspace"], "logits": a["logits"], "MoE buffers": a["moe_buffers"]}
+                 "attention workspace": a["workspace"], "logits": a["logits"], "MoE buffers": a["moe_buffers"],
+                 "vision tower": a.get("vision", 0.0)}
         detail = (f"model states {resident / GIB:.1f} + {worst} activations at {tokens:,.0f} tokens per GPU: layers "
                   f"{a['layers'] / GIB:.1f}, CP K/V exchange {a['kv_exchange'] / GIB:.1f}, attention workspace "
-                  f"{a['workspace'] / GIB:.1f}, logits {a['logits'] / GIB:.1f}, MoE buffers {a['moe_buffers'] / GIB:.1f}")
+                  f"{a['workspace'] / GIB:.1f}, logits {a['logits'] / GIB:.1f}, MoE buffers {a['moe_buffers'] / GIB:.1f}"
+                  + (f", vision tower {a['vision'] / GIB:.1f} ({a['patches']:,} patches)" if a.get("vision") else ""))
     top = max(terms, key=terms.get)
     return (f"train phase needs {peak / GIB:.1f} GiB > {cap / GIB:.1f} GiB ({detail}, reserve {reserve / GIB:.1f}); "
             f"the largest term is {top} ({terms[top] / GIB:.1f} GiB): {TERM_ADVICE[top]}")

@@ -43,7 +43,8 @@ def scaled_down(root: Path) -> list[str]:
         "model.sequence_parallel=false", "model.recompute=null", "parallel.tp=1", "parallel.pp=1", "parallel.cp=1",
         "parallel.ep=1", "parallel.etp=null", "parallel.rollout_tp=1", "parallel.nodes=1", "parallel.gpus_per_node=2", "rollout.engine=builtin",
         f"data.train_path={root / 'task' / 'train.jsonl'}", f"data.eval=[{root / 'task' / 'eval.jsonl'}]",
-        "data.prompt_template=arith", "data.max_prompt_len=32", "rollout.n_samples_per_prompt=4",
+        "data.prompt_template=arith", "data.apply_chat_template=false", "data.max_prompt_len=32",
+        "rollout.n_samples_per_prompt=4",
         "rollout.prompts_per_step=4", "rollout.gen_batch_prompts=8", "rollout.max_new_tokens=12",
         "algorithm.mini_batch_size=8", "algorithm.overlong_max_len=null", "algorithm.overlong_cache_len=4",
         "actor.max_tokens_per_microbatch=64", "critic.max_tokens_per_microbatch=64", "actor.lr=1e-3", "critic.lr=1e-3",
@@ -75,11 +76,13 @@ PRESET_EXTRA = {
 
 
 def moe_extra(config: str, root: Path) -> list[str]:
-    """A recipe of an MoE model (configs/models/<model.name>.json has experts) runs on the tiny
-    Qwen3-MoE (root/moe_model) with its experts split over the 2 ranks (EP=2)."""
+    """A recipe of an MoE model (configs/models/<model.name>.json has experts, in its text_config
+    for a vision-language model) runs on the tiny Qwen3-MoE (root/moe_model) with its experts split
+    over the 2 ranks (EP=2)."""
     name = load_config(config).model.name
     path = REPO / "configs" / "models" / f"{name}.json"
-    if not (name and path.exists() and json.loads(path.read_text()).get("num_experts")):
+    hf = json.loads(path.read_text()) if name and path.exists() else {}
+    if not (hf.get("num_experts") or (hf.get("text_config") or {}).get("num_experts")):
         return []
     return [f"model.hf_path={root / 'moe_model'}", "parallel.ep=2"]
 

@@ -34,7 +34,7 @@ def train_rows(rows):
 def test_every_preset_ran():
     names = {p.relative_to(REPO / "configs").as_posix() for p in (REPO / "configs").glob("algorithms/*.yaml")}
     names |= {p.relative_to(REPO / "configs").as_posix() for p in (REPO / "configs").glob("recipes/*/*.yaml")}
-    assert len(names) == 20
+    assert len(names) == 24
 
 
 def test_pag_preset_rolls_out_multi_turn_trajectories(result):
@@ -43,9 +43,10 @@ def test_pag_preset_rolls_out_multi_turn_trajectories(result):
 
 
 def test_moe_recipes_ran_at_ep2_on_the_tiny_moe(result):
-    # Qwen3-30B-A3B / 235B-A22B recipes: the tiny Qwen3-MoE, experts over 2 ranks; MoE steps log routing agreement
+    # Qwen3-30B-A3B / 235B-A22B / VL-30B-A3B recipes: the tiny Qwen3-MoE, experts over 2 ranks; MoE steps
+    # log routing agreement
     moe = {k: v["rows"] for k, v in result.items() if k.startswith("recipes/qwen3-")}
-    assert len(moe) == 4
+    assert len(moe) == 5
     for name, rows in moe.items():
         rows = train_rows(rows)
         assert rows and all(0 <= r["moe/routing_agreement"] <= 1 for r in rows), name

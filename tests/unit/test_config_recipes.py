@@ -24,7 +24,8 @@ def test_expected_files_are_shipped():
     names = {os.path.relpath(p, os.path.join(CONFIGS, "recipes")) for p in RECIPES}
     assert names == {f"qwen2.5-32b/{a}.yaml" for a in ("dapo", "vapo", "ppo", "grpo")} | {
         f"qwen2.5-7b/{a}.yaml" for a in ("dapo", "vapo", "grpo")} | {
-        f"{m}/{a}.yaml" for m in ("qwen3-30b-a3b", "qwen3-235b-a22b") for a in ("dapo", "vapo")}
+        f"{m}/{a}.yaml" for m in ("qwen3-30b-a3b", "qwen3-235b-a22b") for a in ("dapo", "vapo")} | {
+        "qwen2.5-vl-7b/dapo.yaml", "qwen2.5-vl-7b/grpo.yaml", "qwen2.5-vl-32b/dapo.yaml", "qwen3-vl-30b-a3b/dapo.yaml"}
     assert {os.path.basename(p) for p in ALGORITHMS} == {f"{a}.yaml" for a in ("grpo", "dapo", "ppo", "vc_ppo", "vapo", "tppo", "pag", "pairwise_rl", "code_prm")}
 
 

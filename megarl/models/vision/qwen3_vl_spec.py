@@ -16,13 +16,14 @@ from typing import Any
 
 from megarl.models.families import ArchSpec, UnsupportedModelError, _moe, register_family
 from megarl.models.families import qwen3 as _qwen3_dense
+from megarl.models.vision.spec import PatchGeometry
 
 # HF ACT2FN names of the vision MLP activations megarl reproduces exactly (torch functional forms)
 VISION_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu", "silu")
 
 
 @dataclass(frozen=True)
-class Qwen3VisionSpec:
+class Qwen3VisionSpec(PatchGeometry):
     """Qwen3-VL vision tower: patch embedding (Conv3d, kernel = stride = (tp, p, p), with bias) plus
     a learned `num_position_embeddings` (= side^2) position table resampled bilinearly to each image's
     grid; `depth` pre-norm blocks (LayerNorm eps 1e-6, fused-qkv attention with biases and 2D RoPE
@@ -50,15 +51,6 @@ class Qwen3VisionSpec:
     image_token_id: int
     video_token_id: int | None
 
-    @property
-    def patch_dim(self) -> int:
-        """Values per patch row of pixel_values: C * tp * p * p."""
-        return self.in_channels * self.temporal_patch_size * self.patch_size**2
-
-    @property
-    def merged_size(self) -> int:
-        """Merger input width: hidden_size * m^2."""
-        return self.hidden_size * self.spatial_merge_size**2
 
     @property
     def position_grid_side(self) -> int:

@@ -15,8 +15,23 @@ from typing import Any
 from megarl.models.families import ArchSpec, UnsupportedModelError, _common, register_family
 
 
+class PatchGeometry:
+    """Sizes derived from a vision spec's fields (in_channels, temporal_patch_size, patch_size,
+    hidden_size, spatial_merge_size)."""
+
+    @property
+    def patch_dim(self) -> int:
+        """Values per patch row of pixel_values: C * tp * p * p."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+    @property
+    def merged_size(self) -> int:
+        """Merger input width: hidden_size * m^2."""
+        return self.hidden_size * self.spatial_merge_size**2
+
+
 @dataclass(frozen=True)
-class VisionSpec:
+class VisionSpec(PatchGeometry):
     """Qwen2.5-VL vision tower: patch embedding (Conv3d, kernel = stride = (tp, p, p), no bias),
     `depth` pre-norm blocks (RMSNorm eps 1e-6, fused-qkv attention with biases and 2D RoPE, SwiGLU
     MLP with biases), windowed attention except in `fullatt_block_indexes`, then the merger:
@@ -39,15 +54,6 @@ class VisionSpec:
     image_token_id: int
     video_token_id: int | None
 
-    @property
-    def patch_dim(self) -> int:
-        """Values per patch row of pixel_values: C * tp * p * p."""
-        return self.in_channels * self.temporal_patch_size * self.patch_size**2
-
-    @property
-    def merged_size(self) -> int:
-        """Merger input width: hidden_size * m^2."""
-        return self.hidden_size * self.spatial_merge_size**2
 
 
 def _fail(what: str):
