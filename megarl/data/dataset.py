@@ -228,6 +228,8 @@ def tokenize_dataset(dataset: PromptDataset, tokenizer: Any, *, template: str, m
         logger.warning("prompt dataset %s: skipped %d row(s) with unusable images: %s%s", dataset.path, len(skipped),
                        "; ".join(f"row {r}: {why}" for r, why in skipped[:5]), "; ..." if len(skipped) > 5 else "")
     if not kept:
+        if not skipped:
+            raise ValueError(f"prompt dataset {dataset.path}: every prompt is longer than max_prompt_len={max_prompt_len}")
         raise ValueError(f"prompt dataset {dataset.path}: no usable prompt ({len(too_long)} longer than "
                          f"max_prompt_len={max_prompt_len}, {len(skipped)} with unusable images)")
     return PromptDataset(kept, dataset.path, list(dataset.skipped) + skipped, too_long)
