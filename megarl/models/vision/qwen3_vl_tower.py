@@ -28,7 +28,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from megarl.models.vision import geometry
 from megarl.models.vision.qwen3_vl_geometry import position_table_taps
-from megarl.models.vision.tower import VisionCoreAttention, _packed
+from megarl.models.vision.tower import VisionCoreAttention, _packed, tower_config_common
 
 # HF ACT2FN -> the same function in torch.nn.functional
 _ACTIVATIONS = {"gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"), "gelu": F.gelu, "silu": F.silu}
@@ -39,16 +39,7 @@ def qwen3_vision_configs(spec, lm_config):
     from megatron.core.transformer import TransformerConfig
 
     v = spec.vision
-    common = dict(
-        tensor_model_parallel_size=lm_config.tensor_model_parallel_size, pipeline_model_parallel_size=1,
-        context_parallel_size=1, sequence_parallel=False, params_dtype=lm_config.params_dtype,
-        pipeline_dtype=lm_config.params_dtype, bf16=lm_config.bf16, fp16=lm_config.fp16,
-        use_cpu_initialization=lm_config.use_cpu_initialization, init_method_std=lm_config.init_method_std,
-        hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=True, variable_seq_lengths=True,
-        moe_token_dispatcher_type="alltoall",  # megatron rejects its allgather default with variable lengths
-        normalization="LayerNorm", layernorm_epsilon=v.norm_eps, gradient_accumulation_fusion=False,
-        masked_softmax_fusion=False, bias_dropout_fusion=False, bias_activation_fusion=False,
-        apply_rope_fusion=False, persist_layer_norm=False)
+    common = tower_config_common(lm_config, "LayerNorm", v.norm_eps)
     tower = TransformerConfig(
         num_layers=v.depth, hidden_size=v.hidden_size, ffn_hidden_size=v.ffn_hidden_size,
         num_attention_heads=v.num_heads, num_query_groups=v.num_heads, kv_channels=v.head_dim,

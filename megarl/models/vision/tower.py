@@ -51,21 +51,27 @@ class VisionCoreAttention(torch.nn.Module):
         return out.reshape(out.shape[0], -1)
 
 
-def vision_configs(spec, lm_config):
-    """(tower TransformerConfig, merger TransformerConfig) at the LM config's TP size and dtype."""
-    from megatron.core.transformer import TransformerConfig
-
-    v = spec.vision
-    common = dict(
+def tower_config_common(lm_config, normalization: str, eps: float) -> dict:
+    """TransformerConfig fields shared by the vision towers and mergers: the LM config's TP size
+    and dtype, no PP / CP / SP inside the tower, no dropout, biases, no fused kernels."""
+    return dict(
         tensor_model_parallel_size=lm_config.tensor_model_parallel_size, pipeline_model_parallel_size=1,
         context_parallel_size=1, sequence_parallel=False, params_dtype=lm_config.params_dtype,
         pipeline_dtype=lm_config.params_dtype, bf16=lm_config.bf16, fp16=lm_config.fp16,
         use_cpu_initialization=lm_config.use_cpu_initialization, init_method_std=lm_config.init_method_std,
         hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=True, variable_seq_lengths=True,
-        moe_token_dispatcher_type="alltoall",
-        normalization="RMSNorm", layernorm_epsilon=v.norm_eps, gradient_accumulation_fusion=False,
+        moe_token_dispatcher_type="alltoall",  # megatron rejects its allgather default with variable lengths
+        normalization=normalization, layernorm_epsilon=eps, gradient_accumulation_fusion=False,
         masked_softmax_fusion=False, bias_dropout_fusion=False, bias_activation_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False)
+
+
+def vision_configs(spec, lm_config):
+    """(tower TransformerConfig, merger TransformerConfig) at the LM config's TP size and dtype."""
+    from megatron.core.transformer import TransformerConfig
+
+    v = spec.vision
+    common = tower_config_common(lm_config, "RMSNorm", v.norm_eps)
     tower = TransformerConfig(
         num_layers=v.depth, hidden_size=v.hidden_size, ffn_hidden_size=v.ffn_hidden_size,
         num_attention_heads=v.num_heads, num_query_groups=v.num_heads, kv_channels=v.head_dim,
