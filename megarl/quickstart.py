@@ -10,7 +10,7 @@ torchrun with gloo ranks running `python -m megarl.quickstart`, which:
 2. converts the HF model to a Megatron torch_dist checkpoint at the configured TP/PP/EP,
 3. warm-starts it with SFT (deliberately short, so there is room to learn; a finished SFT of the
    same run dir with the same sft.* settings is reused),
-4. evaluates (greedy accuracy on held-out problems), runs RL, evaluates again,
+4. evaluates (accuracy on held-out problems, greedy in most presets), runs RL, evaluates again,
 5. prints a table and, as its last line:
    quickstart: accuracy_before=<float> accuracy_after=<float> wall_s=<float> run_dir=<path>
 
@@ -292,7 +292,9 @@ def _print_table(cfg, sft_out, before, after, t_sft, t_rl, wall, extra=()) -> No
     t.add_column("phase")
     t.add_column("steps", justify="right")
     t.add_column("wall s", justify="right")
-    t.add_column("eval accuracy (greedy)", justify="right")
+    e = cfg.eval
+    how = "greedy" if e.temperature == 0 else f"T={e.temperature:g}, {e.n_samples} samples"
+    t.add_column(f"eval accuracy ({how})", justify="right")
     t.add_row("SFT warm start", str(sft_out["steps"]), f"{t_sft:.1f}", f"{before:.3f}")
     t.add_row(f"RL ({cfg.algorithm.name})", str(cfg.trainer.total_steps), f"{t_rl:.1f}", f"{after:.3f}")
     t.add_row("total", "", f"{wall:.1f}", f"{after - before:+.3f}")

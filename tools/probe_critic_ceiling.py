@@ -1,17 +1,21 @@
 """How much of the arithmetic quickstart's return variance a critic could explain (issue: a critic
 that learns). Samples the policy, scores the samples, and reports two token-level explained
-variances on the same rollouts (EV = 1 - Var(R - V) / Var(R) over response tokens, the trainer's
+variances (and optionally a fitted critic's) on the same rollouts (EV = 1 - Var(R - V) / Var(R) over response tokens, the trainer's
 `critic/explained_variance` with lambda_critic = 1):
 
 - oracle: V(t) = -1 once the response has departed from the reference chain of thought before
   token t (the wrong character is visible to the state before t), else the mean return of the
   tokens with no visible departure. A critic that detects every written error perfectly, and
-  knows nothing else, scores this.
+  knows nothing else, scores this. `oracle_by_position`: the same detector that also knows the
+  token's position (V = the mean return of the error-free tokens at that position).
 - linear probe, per trunk: a ridge regression from the trunk's last hidden state before token t
   to the return, fitted on 80% of the prompts and scored on the rest (what a value head on that
   frozen trunk can read).
+- fitted critic (`--fit-steps`): trunk and head trained together offline on the same split, with
+  many more optimizer steps than a quickstart run gives the critic (`fit_critic`).
 
     python tools/probe_critic_ceiling.py --policy POLICY_HF --trunks A_HF,B_HF --task runs/x/task/train.jsonl
+    python tools/probe_critic_ceiling.py --policy POLICY_HF --task ... --prompts 2000 --fit-steps 500
 
 HF dirs come from `tools/convert_checkpoint.py megatron-to-hf`. Byte-level tokenizer assumed (the
 quickstart's: one token per character), as the oracle maps characters to tokens.
@@ -38,16 +42,27 @@ def first_departure(text: str, reference: str) -> int:
     return next((i for i, (x, y) in enumerate(zip(text, reference)) if x != y), min(len(text), len(reference)))
 
 
-def oracle_values(samples: list[tuple[str, str, float, int]]) -> tuple[torch.Tensor, torch.Tensor, float]:
+def oracle_values(samples: list[tuple[str, str, float, int]],
+                  by_position: bool = False) -> tuple[torch.Tensor, torch.Tensor, float]:
     """samples: (response text, reference, return, n tokens) -> (returns, oracle values, share of
-    tokens after a visible departure) over all response tokens."""
-    seen, rets = [], []
+    tokens after a visible departure) over all response tokens. The value of a token with no
+    visible departure is the mean return of all such tokens, or with `by_position` of those at the
+    same response position (late tokens with no error yet are more often right: the Bayes value of a
+    detector that also knows how far the response has got)."""
+    seen, rets, pos = [], [], []
     for text, ref, ret, n in samples:
         err = None if ret > 0 else min(first_departure(text, ref), max(len(text) - 1, 0)) + 1
         seen += [err is not None and t >= err for t in range(n)]
         rets += [ret] * n
-    seen_t, r = torch.tensor(seen), torch.tensor(rets, dtype=torch.float64)
-    v = torch.where(seen_t, torch.tensor(-1.0, dtype=torch.float64), r[~seen_t].mean())
+        pos += list(range(n))
+    seen_t, r, pos_t = torch.tensor(seen), torch.tensor(rets, dtype=torch.float64), torch.tensor(pos)
+    clean = r.new_full(r.shape, float(r[~seen_t].mean()))
+    if by_position:
+        for t in pos_t.unique():
+            at = (pos_t == t) & ~seen_t
+            if at.any():
+                clean[pos_t == t] = r[at].mean()
+    v = torch.where(seen_t, torch.tensor(-1.0, dtype=torch.float64), clean)
     return r, v, float(seen_t.double().mean())
 
 
@@ -57,6 +72,58 @@ def ridge_probe(x: torch.Tensor, y: torch.Tensor, held_out: torch.Tensor, lam: f
     a = x[~held_out]
     w = torch.linalg.solve(a.T @ a + lam * torch.eye(a.shape[1], dtype=a.dtype), a.T @ y[~held_out])
     return explained_variance(y[~held_out], a @ w), explained_variance(y[held_out], x[held_out] @ w)
+
+
+def fit_critic(trunk_dir: str, seqs: list[tuple[list[int], list[int], float]], held: list[bool], steps: int,
+               lr: float = 3e-4, batch: int = 64, report_every: int = 250, seed: int = 0) -> list[dict]:
+    """A critic fitted offline with far more optimizer steps than the loop gives it: `trunk_dir`'s
+    backbone (all trained) and a zero-initialised linear head, MSE between the value before each
+    response token and the sequence's return (lambda = 1), AdamW with a 20-step warm-up, on the
+    sequences (prompt ids, response ids, return) not `held`. Returns {step, train_ev, heldout_ev}
+    every `report_every` steps (EV over at most 1,200 sequences of each side)."""
+    import random
+
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    lm = AutoModelForCausalLM.from_pretrained(trunk_dir, dtype=torch.float32)
+    trunk, head = lm.model, torch.nn.Linear(lm.config.hidden_size, 1)
+    torch.nn.init.zeros_(head.weight), torch.nn.init.zeros_(head.bias)
+    params = [*trunk.parameters(), *head.parameters()]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+
+    def values(rows):
+        width = max(len(p) + len(r) for p, r, _ in rows)
+        ids, att = torch.zeros(len(rows), width, dtype=torch.long), torch.zeros(len(rows), width, dtype=torch.long)
+        for i, (p, r, _) in enumerate(rows):
+            ids[i, : len(p) + len(r)], att[i, : len(p) + len(r)] = torch.tensor(p + r), 1
+        v = head(trunk(input_ids=ids, attention_mask=att).last_hidden_state).squeeze(-1)
+        return (torch.cat([v[i, len(p) - 1: len(p) - 1 + len(r)] for i, (p, r, _) in enumerate(rows)]),
+                torch.cat([torch.full((len(r),), ret) for p, r, ret in rows]))
+
+    @torch.no_grad()
+    def ev(rows):
+        trunk.eval()
+        v, r = map(torch.cat, zip(*(values(rows[i: i + 256]) for i in range(0, len(rows), 256))))
+        trunk.train()
+        return explained_variance(r.double(), v.double())
+
+    train = [x for x, h in zip(seqs, held) if not h]
+    test = [x for x, h in zip(seqs, held) if h]
+    rng, log = random.Random(seed), []
+    for step in range(1, steps + 1):
+        for g in opt.param_groups:
+            g["lr"] = lr * min(1.0, step / 20)
+        v, r = values(rng.sample(train, batch))
+        opt.zero_grad()
+        ((v - r) ** 2).mean().backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        if step % report_every == 0:
+            log.append({"step": step, "train_ev": ev(train[:1200]), "heldout_ev": ev(test[:1200])})
+            print(f"fit step={step} critic_train_ev={log[-1]['train_ev']:.3f} critic_heldout_ev={log[-1]['heldout_ev']:.3f}",
+                  flush=True)
+    return log
 
 
 def main(argv=None) -> None:
@@ -75,6 +142,8 @@ def main(argv=None) -> None:
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--fit-steps", type=int, default=0,
+                   help="also fit a critic (first --trunks dir, else the policy; all trained) for this many steps")
     a = p.parse_args(argv)
     rows = [json.loads(x) for x in Path(a.task).read_text().splitlines()[: a.prompts]]
     engine = BuiltinEngine.from_pretrained(a.policy)
@@ -91,7 +160,8 @@ def main(argv=None) -> None:
     r, v, after = oracle_values(samples)
     acc = sum(s[2] > 0 for s in samples) / len(samples)
     print(f"samples={len(samples)} accuracy={acc:.3f} tokens={len(r)} return_var={float(r.var()):.3f} "
-          f"oracle_ev={explained_variance(r, v):.3f} tokens_after_visible_error={after:.3f}", flush=True)
+          f"oracle_ev={explained_variance(r, v):.3f} tokens_after_visible_error={after:.3f} "
+          f"oracle_by_position_ev={explained_variance(r, oracle_values(samples, by_position=True)[1]):.3f}", flush=True)
     held = torch.cat([torch.full((n,), s.index % 5 == 0) for s, (_, _, _, n) in zip(out, samples)])
     for trunk in [t for t in a.trunks.split(",") if t]:
         model = AutoModelForCausalLM.from_pretrained(trunk, dtype=torch.float32).eval()
@@ -103,6 +173,10 @@ def main(argv=None) -> None:
                 feats.append(h[n0: n0 + len(s.response_ids)].double())
         train_ev, held_ev = ridge_probe(torch.cat(feats), r, held)
         print(f"trunk={trunk} probe_train_ev={train_ev:.3f} probe_heldout_ev={held_ev:.3f}", flush=True)
+    if a.fit_steps:
+        fit_critic(([t for t in a.trunks.split(",") if t] or [a.policy])[0],
+                   [(s.prompt_ids, s.response_ids, ret) for s, (_, _, ret, _) in zip(out, samples)],
+                   [s.index % 5 == 0 for s in out], a.fit_steps)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,35 @@ from megarl.tasks.tiny_model import EOS_TOKEN
 ROW_KINDS = {"solution": 0.5, "verification": 0.3, "revision": 0.2}  # share of SFT rows of each turn kind
 
 
+def write_pag_files(out_dir: str | Path, task: str, problems: list, problem_text, answer, sft_row,
+                    row_kinds: dict[str, float], rng: random.Random, n_sft: int, n_train: int,
+                    n_eval: int) -> dict[str, Path]:
+    """eval.jsonl and train.jsonl (id, problem, answer, data_source=task) from the first n_eval and
+    the next n_train of the (shuffled) `problems`, and sft.jsonl (id, kind, prompt, response,
+    problem, answer): n_sft rows cycling over the rest, each of a kind drawn with `row_kinds`'
+    weights and built by `sft_row(problem, kind, rng)`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    splits = {"eval": problems[:n_eval], "train": problems[n_eval:n_eval + n_train]}
+    rest = problems[n_eval + n_train:]
+    paths = {}
+    for name, items in splits.items():
+        paths[name] = out / f"{name}.jsonl"
+        with paths[name].open("w", encoding="utf-8") as f:
+            for i, x in enumerate(items):
+                f.write(json.dumps({"id": f"{task}-{name}-{i}", "problem": problem_text(x), "answer": answer(x),
+                                    "data_source": task}) + "\n")
+    kinds = list(row_kinds)
+    paths["sft"] = out / "sft.jsonl"
+    with paths["sft"].open("w", encoding="utf-8") as f:
+        for i in range(n_sft):
+            x = rest[i % len(rest)]
+            kind = rng.choices(kinds, weights=list(row_kinds.values()))[0]
+            f.write(json.dumps({"id": f"{task}-sft-{i}", "kind": kind, **sft_row(x, kind, rng),
+                                "problem": problem_text(x), "answer": answer(x)}) + "\n")
+    return paths
+
+
 def pag_table_metrics(task: str) -> tuple[str, ...]:
     """The eval metrics a PAG task's quickstart table shows (megarl.trainer.pag.turn_stats)."""
     return tuple(f"eval/{task}/{k}" for k in (

@@ -22,12 +22,11 @@ number equals the answer only with the same digits).
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
 from megarl.tasks import QUICKSTART_TASKS, QuickstartTask
-from megarl.tasks.pag_arith import pag_table_metrics, with_verdict
+from megarl.tasks.pag_arith import pag_table_metrics, with_verdict, write_pag_files
 from megarl.tasks.tiny_model import EOS_TOKEN
 
 DATA_SOURCE = "pag_sort"
@@ -107,29 +106,12 @@ def write_task_files(out_dir: str | Path, verify: str, revise: str, n_sft: int =
     (15,120 prompts in all)."""
     from itertools import permutations
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     prompts = ["".join(p) for p in permutations("123456789", N_DIGITS)]
     rng.shuffle(prompts)
-    splits = {"eval": prompts[:n_eval], "train": prompts[n_eval:n_eval + n_train]}
-    rest = prompts[n_eval + n_train:]
-    paths = {}
-    for name, items in splits.items():
-        paths[name] = out / f"{name}.jsonl"
-        with paths[name].open("w", encoding="utf-8") as f:
-            for i, d in enumerate(items):
-                f.write(json.dumps({"id": f"pag_sort-{name}-{i}", "problem": problem_text(d),
-                                    "answer": "".join(sorted(d)), "data_source": DATA_SOURCE}) + "\n")
-    kinds = list(ROW_KINDS)
-    paths["sft"] = out / "sft.jsonl"
-    with paths["sft"].open("w", encoding="utf-8") as f:
-        for i in range(n_sft):
-            d = rest[i % len(rest)]
-            kind = rng.choices(kinds, weights=list(ROW_KINDS.values()))[0]
-            f.write(json.dumps({"id": f"pag_sort-sft-{i}", "kind": kind, **sft_row(d, kind, rng, verify, revise),
-                                "problem": problem_text(d), "answer": "".join(sorted(d))}) + "\n")
-    return paths
+    return write_pag_files(out_dir, DATA_SOURCE, prompts, problem_text, lambda d: "".join(sorted(d)),
+                           lambda d, kind, r: sft_row(d, kind, r, verify, revise), ROW_KINDS, rng,
+                           n_sft, n_train, n_eval)
 
 
 def write_quickstart_files(out_dir: Path, cfg) -> None:

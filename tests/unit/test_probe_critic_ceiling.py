@@ -38,3 +38,27 @@ def test_ridge_probe_reads_a_linear_signal_and_not_noise():
     assert P.ridge_probe(x, y, held)[1] > 0.99
     noise = torch.randn(400, generator=g, dtype=torch.float64)
     assert P.ridge_probe(x, noise, held)[1] < 0.05
+
+
+def test_oracle_values_by_position_by_hand():
+    # positions 0-1 are error-free in both samples (mean return 0); 2-3 only in the right one (1)
+    r, v, _ = P.oracle_values([("abcd", "abcd", 1.0, 4), ("axcd", "abcd", -1.0, 4)], by_position=True)
+    assert v.tolist() == pytest.approx([0, 0, 1, 1, 0, 0, -1, -1])
+    assert P.explained_variance(r, v) > P.explained_variance(r, P.oracle_values(
+        [("abcd", "abcd", 1.0, 4), ("axcd", "abcd", -1.0, 4)])[1])
+
+
+def test_fit_critic_learns_a_return_decided_by_the_first_response_token(tmp_path):
+    from megarl.tasks.tiny_model import TinyModelSpec, save_tiny_model
+
+    save_tiny_model(tmp_path, TinyModelSpec(layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64, seed=0))
+    g = torch.Generator().manual_seed(0)
+    seqs = []
+    for i in range(200):
+        first = int(torch.randint(10, 20, (1,), generator=g))
+        rest = torch.randint(30, 60, (5,), generator=g).tolist()
+        seqs.append(([1, 2, 3], [first, *rest], 1.0 if first < 15 else -1.0))
+    log = P.fit_critic(str(tmp_path), seqs, [i % 5 == 0 for i in range(200)], steps=150, lr=3e-3,
+                       batch=32, report_every=150)
+    # tokens 1-5 (5 of 6) see the deciding token: EV ~ 5/6 for a perfect fit
+    assert log[-1]["heldout_ev"] > 0.6
