@@ -69,3 +69,16 @@ def test_the_math_verifier_scores_the_answer_line():
 
     assert is_correct("Answer: 18", "18") and not is_correct("Answer: 81", "18")
     assert not is_correct("Answer: 1", "18")
+
+
+def test_the_quickstart_preset_fits_the_task():
+    from megarl.config import load_config
+    from megarl.tasks import quickstart_task
+
+    cfg = load_config(["configs/quickstart/pag.yaml"])
+    assert cfg.quickstart.task == "pag_pairsum" and quickstart_task("pag_pairsum").table_metrics == P.TABLE_METRICS
+    assert cfg.reward["sources"]["pag_pairsum"] == "math" and cfg.data.prompt_template == "raw"
+    assert max(len(P.problem_text(p)) for p in P.all_problems()) <= cfg.data.max_prompt_len  # one byte per token
+    # the longest verification turn (and its end-of-text token) fits a turn's token budget
+    longest = max(len(P.verification(("12345", 9), a)) for a in ("45", "36", "54"))
+    assert longest + 1 <= cfg.rollout.max_new_tokens and longest + 1 <= cfg.eval.max_new_tokens
