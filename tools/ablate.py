@@ -12,7 +12,8 @@ run (its metrics.jsonl holds the last step's eval and `ablate_wall.json` exists)
 
 Table: per variant, mean ± std over seeds (sample std, n-1; 0 for one seed) of the final greedy
 accuracy (eval/accuracy at the last step), the best greedy accuracy (max over the evals after
-step 0), and the quickstart's wall time.
+step 0), the critic's explained variance (after value pretraining; mean over the policy steps),
+the sum of the RL steps' `time/step` and the quickstart's wall time.
 """
 
 from __future__ import annotations
@@ -85,12 +86,16 @@ def command(variant: Variant, run: Path, seed: int) -> list[str]:
 
 # ---- aggregation (pure: reads files, no runs) ---------------------------------------------------
 def summarize_run(run: Path) -> dict | None:
-    """{final, best, wall_s} of a finished run dir, None if it has not finished. final: the last
-    eval/accuracy row's value (the row of the largest step); best: max over evals after step 0."""
+    """{final, best, wall_s, step_s, ev_pretrain, ev_policy} of a finished run dir, None if it has
+    not finished. final: the last eval/accuracy row's value (the row of the largest step); best: max
+    over evals after step 0; step_s: the sum of `time/step` (the RL steps' own time, value
+    pretraining included); ev_pretrain: `critic/explained_variance` at the last value-pretraining
+    step; ev_policy: its mean over the policy steps (None where the run has no such rows)."""
     metrics, wall = run / "metrics.jsonl", run / WALL_FILE
     if not metrics.exists() or not wall.exists():
         return None
     evals: dict[int, float] = {}
+    step_s, pre, pol = [], [], []
     for line in metrics.read_text().splitlines():
         try:
             row = json.loads(line)
@@ -98,11 +103,16 @@ def summarize_run(run: Path) -> dict | None:
             continue
         if row.get("eval/accuracy") is not None:
             evals[int(row["step"])] = float(row["eval/accuracy"])
+        if row.get("time/step") is not None:
+            step_s.append(float(row["time/step"]))
+        if row.get("critic/explained_variance") is not None:
+            (pre if row.get("critic/pretraining") else pol).append(float(row["critic/explained_variance"]))
     after = {s: v for s, v in evals.items() if s > 0}
     if not after:
         return None
     return {"final": after[max(after)], "best": max(after.values()),
-            "wall_s": float(json.loads(wall.read_text())["wall_s"])}
+            "wall_s": float(json.loads(wall.read_text())["wall_s"]), "step_s": sum(step_s) if step_s else None,
+            "ev_pretrain": pre[-1] if pre else None, "ev_policy": sum(pol) / len(pol) if pol else None}
 
 
 def mean_std(xs: list[float]) -> tuple[float, float]:
@@ -113,22 +123,34 @@ def mean_std(xs: list[float]) -> tuple[float, float]:
     return m, math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
 
 
+COLUMNS = ("final", "best", "ev_pretrain", "ev_policy", "step_s", "wall_s")
+
+
 def aggregate(summaries: dict[str, list[dict]]) -> list[dict]:
     """variant -> its runs' summaries -> one row per variant (in the given order) with n and
-    (mean, std) of final, best and wall_s; variants without a finished run are left out."""
+    (mean, std) of every column over the runs that have it (None where none has it); variants
+    without a finished run are left out."""
     rows = []
     for name, runs in summaries.items():
         if runs:
-            rows.append({"variant": name, "n": len(runs), "seeds": [r["seed"] for r in runs if "seed" in r],
-                         **{k: mean_std([r[k] for r in runs]) for k in ("final", "best", "wall_s")}})
+            row = {"variant": name, "n": len(runs), "seeds": [r["seed"] for r in runs if "seed" in r]}
+            for k in COLUMNS:
+                xs = [r[k] for r in runs if r.get(k) is not None]
+                row[k] = mean_std(xs) if xs else None
+            rows.append(row)
     return rows
 
 
 def format_table(rows: list[dict]) -> str:
-    head = ["| variant | seeds | final greedy acc | best greedy acc | wall s |", "| --- | --- | --- | --- | --- |"]
-    body = [f"| {r['variant']} | {r['n']} ({','.join(str(s) for s in r['seeds'])}) | "
-            f"{r['final'][0]:.3f} ± {r['final'][1]:.3f} | "
-            f"{r['best'][0]:.3f} ± {r['best'][1]:.3f} | {r['wall_s'][0]:.0f} ± {r['wall_s'][1]:.0f} |" for r in rows]
+    def cell(ms, fmt):
+        return "-" if ms is None else f"{ms[0]:{fmt}} ± {ms[1]:{fmt}}"
+
+    head = ["| variant | seeds | final greedy acc | best greedy acc | critic EV after value pretraining | "
+            "critic EV, mean over policy steps | RL step time s (sum) | wall s |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    body = [f"| {r['variant']} | {r['n']} ({','.join(str(s) for s in r['seeds'])}) | {cell(r['final'], '.3f')} | "
+            f"{cell(r['best'], '.3f')} | {cell(r['ev_pretrain'], '.3f')} | {cell(r['ev_policy'], '.3f')} | "
+            f"{cell(r['step_s'], '.0f')} | {cell(r['wall_s'], '.0f')} |" for r in rows]
     return "\n".join(head + body)
 
 

@@ -17,9 +17,10 @@ sys.modules[_spec.name] = ablate  # dataclasses look their module up there
 _spec.loader.exec_module(ablate)
 
 
-def fake_run(path: Path, evals: dict[int, float], wall: float | None, torn_line: bool = False) -> Path:
+def fake_run(path: Path, evals: dict[int, float], wall: float | None, torn_line: bool = False,
+             steps: list[dict] = ()) -> Path:
     path.mkdir(parents=True)
-    rows = [{"step": 1, "reward/accuracy": 0.1}]
+    rows = [{"step": 1, "reward/accuracy": 0.1}, *steps]
     rows += [{"step": s, "eval/accuracy": v} for s, v in evals.items()]
     text = "\n".join(json.dumps(r) for r in rows) + ("\n{\"step\": 4" if torn_line else "")
     (path / "metrics.jsonl").write_text(text)
@@ -30,7 +31,18 @@ def fake_run(path: Path, evals: dict[int, float], wall: float | None, torn_line:
 
 def test_summary_final_is_the_last_step_and_best_excludes_step_zero(tmp_path):
     run = fake_run(tmp_path / "r", {0: 0.9, 10: 0.5, 30: 0.8, 20: 0.7, 40: 0.6}, 120.0, torn_line=True)
-    assert ablate.summarize_run(run) == {"final": 0.6, "best": 0.8, "wall_s": 120.0}
+    assert ablate.summarize_run(run) == {"final": 0.6, "best": 0.8, "wall_s": 120.0, "step_s": None,
+                                         "ev_pretrain": None, "ev_policy": None}
+
+
+def test_summary_critic_and_step_time_columns(tmp_path):
+    steps = [{"step": 1, "critic/pretraining": 1.0, "critic/explained_variance": -0.2, "time/step": 2.0},
+             {"step": 2, "critic/pretraining": 1.0, "critic/explained_variance": 0.1, "time/step": 2.5},
+             {"step": 3, "critic/pretraining": 0.0, "critic/explained_variance": 0.3, "time/step": 4.0},
+             {"step": 4, "critic/explained_variance": 0.5, "time/step": 3.5}]
+    s = ablate.summarize_run(fake_run(tmp_path / "r", {0: 0.2, 4: 0.7}, 60.0, steps=steps))
+    assert s["step_s"] == pytest.approx(12.0) and s["ev_pretrain"] == pytest.approx(0.1)
+    assert s["ev_policy"] == pytest.approx(0.4)  # steps 3 and 4: the policy steps
 
 
 def test_unfinished_runs_have_no_summary(tmp_path):
@@ -55,7 +67,7 @@ def test_table_rows_over_seeds(tmp_path):
     assert r["n"] == 2 and r["final"][0] == pytest.approx(0.85) and r["final"][1] == pytest.approx(math.sqrt(0.005))
     assert r["wall_s"] == (pytest.approx(120.0), pytest.approx(math.sqrt(800.0)))
     table = ablate.format_table(rows)
-    assert "| VAPO | 2 (1,2) | 0.850 ± 0.071 | 0.850 ± 0.071 | 120 ± 28 |" in table.splitlines()
+    assert "| VAPO | 2 (1,2) | 0.850 ± 0.071 | 0.850 ± 0.071 | - | - | - | 120 ± 28 |" in table.splitlines()
 
 
 def test_dry_run_prints_one_seeded_command_per_variant_and_seed(tmp_path, capsys):
