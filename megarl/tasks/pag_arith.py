@@ -38,6 +38,24 @@ from megarl.tasks.tiny_model import EOS_TOKEN
 ROW_KINDS = {"solution": 0.5, "verification": 0.3, "revision": 0.2}  # share of SFT rows of each turn kind
 
 
+def answer_sft_row(prompt: str, right: str, wrong_answer, verification, kind: str, rng: random.Random,
+                   verify: str, revise: str) -> dict:
+    """{prompt, response} of one SFT row of `kind` for a task whose solution is `Answer: <right>`:
+    solution; verification of the right answer or (half the rows) of `wrong_answer(rng)`, with
+    `verification(answer)` as the response; revision: a wrong answer, its verification and the
+    right answer (the turns before the trained one in the prompt, with their end-of-text tokens)."""
+    if kind == "solution":
+        return {"prompt": prompt, "response": f"Answer: {right}"}
+    if kind == "verification":
+        shown = right if rng.random() < 0.5 else wrong_answer(rng)
+        return {"prompt": prompt + f"Answer: {shown}" + EOS_TOKEN + verify, "response": verification(shown)}
+    if kind == "revision":
+        wrong = wrong_answer(rng)
+        context = prompt + f"Answer: {wrong}" + EOS_TOKEN + verify + verification(wrong) + EOS_TOKEN + revise
+        return {"prompt": context, "response": f"Answer: {right}"}
+    raise ValueError(f"unknown SFT row kind {kind!r}")
+
+
 def write_pag_files(out_dir: str | Path, task: str, problems: list, problem_text, answer, sft_row,
                     row_kinds: dict[str, float], rng: random.Random, n_sft: int, n_train: int,
                     n_eval: int) -> dict[str, Path]:

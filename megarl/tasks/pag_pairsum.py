@@ -30,8 +30,7 @@ from itertools import combinations, permutations
 from pathlib import Path
 
 from megarl.tasks import QUICKSTART_TASKS, QuickstartTask
-from megarl.tasks.pag_arith import pag_table_metrics, with_verdict, write_pag_files
-from megarl.tasks.tiny_model import EOS_TOKEN
+from megarl.tasks.pag_arith import answer_sft_row, pag_table_metrics, with_verdict, write_pag_files
 
 DATA_SOURCE = "pag_pairsum"
 N_DIGITS = 5
@@ -105,17 +104,8 @@ def verification(problem: Problem, ans: str) -> str:
 
 def sft_row(problem: Problem, kind: str, rng: random.Random, verify: str, revise: str) -> dict:
     """{prompt, response} of one SFT row of `kind` (solution | verification | revision)."""
-    prompt, right = problem_text(problem), f"Answer: {answer(problem)}"
-    if kind == "solution":
-        return {"prompt": prompt, "response": right}
-    if kind == "verification":
-        shown = answer(problem) if rng.random() < 0.5 else wrong_answer(problem, rng)
-        return {"prompt": prompt + f"Answer: {shown}" + EOS_TOKEN + verify, "response": verification(problem, shown)}
-    if kind == "revision":
-        wrong = wrong_answer(problem, rng)
-        context = prompt + f"Answer: {wrong}" + EOS_TOKEN + verify + verification(problem, wrong) + EOS_TOKEN + revise
-        return {"prompt": context, "response": right}
-    raise ValueError(f"pag_pairsum: unknown SFT row kind {kind!r}")
+    return answer_sft_row(problem_text(problem), answer(problem), lambda r: wrong_answer(problem, r),
+                          lambda ans: verification(problem, ans), kind, rng, verify, revise)
 
 
 def write_task_files(out_dir: str | Path, verify: str, revise: str, n_sft: int = 20000, n_train: int = 2000,

@@ -26,8 +26,7 @@ import random
 from pathlib import Path
 
 from megarl.tasks import QUICKSTART_TASKS, QuickstartTask
-from megarl.tasks.pag_arith import pag_table_metrics, with_verdict, write_pag_files
-from megarl.tasks.tiny_model import EOS_TOKEN
+from megarl.tasks.pag_arith import answer_sft_row, pag_table_metrics, with_verdict, write_pag_files
 
 DATA_SOURCE = "pag_sort"
 N_DIGITS = 5
@@ -37,10 +36,6 @@ TABLE_METRICS = pag_table_metrics("pag_sort")
 
 def problem_text(digits: str) -> str:
     return f"sort {digits}\n"
-
-
-def solution(digits: str) -> str:
-    return f"Answer: {''.join(sorted(digits))}"
 
 
 def wrong_answer(digits: str, rng: random.Random) -> str:
@@ -86,17 +81,8 @@ def verification(digits: str, answer: str) -> str:
 
 def sft_row(digits: str, kind: str, rng: random.Random, verify: str, revise: str) -> dict:
     """{prompt, response} of one SFT row of `kind` (solution | verification | revision)."""
-    prompt, right = problem_text(digits), solution(digits)
-    if kind == "solution":
-        return {"prompt": prompt, "response": right}
-    if kind == "verification":
-        shown = right if rng.random() < 0.5 else f"Answer: {wrong_answer(digits, rng)}"
-        return {"prompt": prompt + shown + EOS_TOKEN + verify, "response": verification(digits, shown[len("Answer: "):])}
-    if kind == "revision":
-        wrong = wrong_answer(digits, rng)
-        context = prompt + f"Answer: {wrong}" + EOS_TOKEN + verify + verification(digits, wrong) + EOS_TOKEN + revise
-        return {"prompt": context, "response": right}
-    raise ValueError(f"pag_sort: unknown SFT row kind {kind!r}")
+    return answer_sft_row(problem_text(digits), "".join(sorted(digits)), lambda r: wrong_answer(digits, r),
+                          lambda ans: verification(digits, ans), kind, rng, verify, revise)
 
 
 def write_task_files(out_dir: str | Path, verify: str, revise: str, n_sft: int = 12000, n_train: int = 2000,
