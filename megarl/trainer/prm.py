@@ -236,13 +236,20 @@ def train_prm(cfg, hf_config, actor, rows: list[dict], save_to: Path) -> dict:
 def ensure_prm(cfg, run_dir: Path | None = None) -> dict | None:
     """With prm.dense_reward or prm.init_critic: labels and trains a PRM from the policy at
     model.load and saves it at prm.path, unless a complete one is there. Every rank. Returns the
-    statistics (labels, fit, wall time), also in <prm.path>/prm_stats.json."""
+    statistics (labels, fit, wall time, the policy's path), also in <prm.path>/prm_stats.json. A
+    complete PRM labelled from another policy (another run's SFT) is refused with a clear error
+    rather than reused."""
     p = cfg.prm
     if not (p.dense_reward or p.init_critic):
         return None
     out = Path(p.path)
+    policy = str(Path(cfg.model.load).resolve()) if cfg.model.load else None
     if (out / PRM_DONE).exists():
-        return json.loads((out / PRM_DONE).read_text())
+        done = json.loads((out / PRM_DONE).read_text())
+        if done.get("policy", policy) != policy:  # a PRM labelled from another policy's samples
+            raise ValueError(f"prm.path: {out} holds a PRM labelled from the policy at {done['policy']}, not this "
+                             f"run's model.load {policy}; set prm.path to a new dir (or delete that one)")
+        return done
     t0 = time.perf_counter()
     rank0 = dist.get_rank() == 0
     partial = out.with_name(out.name + ".partial")
@@ -256,7 +263,7 @@ def ensure_prm(cfg, run_dir: Path | None = None) -> dict | None:
     label_stats["positive_lines"] = sum(sum(r["labels"]) for r in rows)
     label_stats["time_s"] = time.perf_counter() - t0
     fit = train_prm(cfg, hf_config, actor, rows, partial)
-    stats = {"labels": label_stats, "fit": fit, "wall_s": time.perf_counter() - t0}
+    stats = {"labels": label_stats, "fit": fit, "wall_s": time.perf_counter() - t0, "policy": policy}
     if rank0:
         (partial / "prm_stats.json").write_text(json.dumps(stats, indent=1))
         (partial / PRM_DONE).write_text(json.dumps(stats))

@@ -37,6 +37,14 @@ def main():
     cfg.model.load = out["checkpoint"]
     stats = ensure_prm(cfg)
     again = ensure_prm(cfg)  # a complete PRM at prm.path is reused, not retrained
+    loaded_from = cfg.model.load
+    cfg.model.load = str(Path(loaded_from).parent / "another_policy")
+    try:  # ... but not for another policy (another run's SFT)
+        ensure_prm(cfg)
+        other_policy_error = ""
+    except ValueError as e:
+        other_policy_error = str(e)
+    cfg.model.load = loaded_from
 
     hf_config, tokenizer = build.load_hf_config_and_tokenizer(cfg.model.hf_path)
     rows = [json.loads(s) for s in Path(cfg.sft.data_path).read_text().splitlines()[:6]]
@@ -57,7 +65,7 @@ def main():
     cfg.prm.dense_reward = False
     without_dense = _prm_scorer(cfg, hf_config, tokenizer) is not None
     res = {
-        "stats": stats, "reused": again == stats,
+        "stats": stats, "reused": again == stats, "other_policy_error": other_policy_error,
         "critic_vs_prm_max_diff": float((ppo.compute_values(critic, batch) - prm_values).abs().max()),
         "actor_critic_vs_prm_max_diff": float((ppo.compute_values(plain_critic, batch) - prm_values).abs().max()),
         "response_ids": batch.response_ids, "acc": batch.acc.tolist(),

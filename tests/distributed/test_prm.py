@@ -43,6 +43,8 @@ def test_prm_fits_its_labels(result):
     assert fit["steps"] == STEPS
     assert fit["after"]["train"]["mse"] < fit["before"]["train"]["mse"]
     assert result["reused"]  # ensure_prm found the complete checkpoint and did not retrain
+    assert result["stats"]["policy"].endswith("sft") and "another_policy" in result["other_policy_error"]
+    assert "prm.path" in result["other_policy_error"]  # a PRM of another policy is refused, not reused
 
 
 def test_critic_initialised_from_the_prm_starts_with_its_values(result):
