@@ -130,7 +130,7 @@ def run_point(args, cp: int, length: int) -> dict:
                str(29500 + (os.getpid() + length + cp) % 1000), __file__, "--worker", "--cp-size", str(cp),
                "--length", str(length), "--out", str(out), *_model_args(args)]
         env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // cp)), PYTHONWARNINGS="ignore",
-                   PYTHONPATH=str(REPO))
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(f"cp={cp} length={length} failed:\n{proc.stderr[-3000:]}")

@@ -359,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
                     traceback.print_exc(file=sys.stderr)
                 rows.append(Row(impl, args.shape, seq, sample_len, args.microbatches,
                                 status=f"error: {type(err).__name__}: {err}"))
+            if rank == 0:
+                print(f"bench_train row: {rows[-1].line()}", flush=True)
             free()
     n_params = matmul_params(cfg)
     size = f"{n_params / 1e9:.3f} B" if n_params >= 1e9 else f"{n_params / 1e6:.2f} M"

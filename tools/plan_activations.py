@@ -152,13 +152,16 @@ def cp_kv_exchange_bytes(arch: Arch, cfg: MegaRLConfig, tokens: int) -> tuple[fl
 def attention_workspace_bytes(arch: Arch, cfg: MegaRLConfig, row_tokens: float, seq_len: float) -> float:
     """Transient bytes of megarl's local attention for one query block: float32 scores,
     probabilities, dP and dS (4 x 4 bytes) of `block` queries x seq_len keys x a/TP heads, where the
-    attention picks block = clamp(min(LOCAL_SCORE_BLOCK_BYTES / (4 * a/TP * row_tokens),
-    max(64, seq_len)), 16, 512);
+    attention picks (megarl.models.attention.query_block_size) block = clamp(min(
+    LOCAL_SCORE_BLOCK_BYTES / (4 * a/TP * span), max(64, seq_len)), 16, 512) with the key span
+    min(row_tokens, seq_len + 512) at CP 1, min(row_tokens, 2 * seq_len + 512 * CP) under CP;
     flash / fused kernels keep theirs in on-chip memory (0)."""
     if cfg.model.transformer_impl != "local":
         return 0.0
     heads = arch.heads / cfg.parallel.tp
-    block = max(16, min(512, max(64, int(seq_len)), LOCAL_SCORE_BLOCK_BYTES // int(4 * heads * max(1, row_tokens))))
+    cp = cfg.parallel.cp
+    span = min(row_tokens, (1 if cp == 1 else 2) * seq_len + 512 * cp)
+    block = max(16, min(512, max(64, int(seq_len)), LOCAL_SCORE_BLOCK_BYTES // int(4 * heads * max(1, span))))
     return 16.0 * heads * block * seq_len
 
 

@@ -23,8 +23,9 @@ class RMSNorm(torch.nn.Module):
         if normalization != "RMSNorm" or config.normalization != "RMSNorm" or config.layernorm_zero_centered_gamma:
             raise ValueError("megarl.models.norm.RMSNorm implements plain RMSNorm only")
         self.eps = eps
-        # default dtype, as torch.nn.RMSNorm in megatron's WrappedTorchNorm (same parameters, same numerics)
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size))
+        # params_dtype like every other weight (megatron's Float16Module casts WrappedTorchNorm's the
+        # same way): an fp32 weight under bf16 activations keeps torch.rms_norm off its fused kernel
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
         self.weight.sequence_parallel = bool(config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

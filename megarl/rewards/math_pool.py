@@ -17,6 +17,7 @@ import queue
 import selectors
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -29,18 +30,34 @@ READY_TIMEOUT_S = 120.0  # importing sympy on a loaded machine
 
 class _Worker:
     def __init__(self, memory_mb: int):
+        # -P (not -I): the worker must import what this process imports, including packages
+        # that reach it through PYTHONPATH (pip --target installs, containers), while the
+        # current directory stays off its sys.path.
+        self._stderr = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
-            [sys.executable, "-I", "-B", str(_WORKER), str(memory_mb)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            [sys.executable, "-P", "-B", str(_WORKER), str(memory_mb)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
             close_fds=True, start_new_session=True,
         )
         self._buf = b""
+        self.ready = False
 
     def start_ready(self) -> None:
-        reply = self.read_line(time.monotonic() + READY_TIMEOUT_S)
+        """Waits for the worker's ready line; on failure kills it and raises RewardError with the
+        end of its stderr (an ImportError, say)."""
+        try:
+            reply = self.read_line(time.monotonic() + READY_TIMEOUT_S)
+        except TimeoutError:
+            reply = None
         if reply is None or not json.loads(reply).get("ready"):
+            self.proc.kill()
+            self.proc.wait()
+            self._stderr.seek(0)
+            tail = self._stderr.read().decode(errors="replace").strip().splitlines()[-3:]
             self.kill()
-            raise RewardError("math-verify worker failed to start (is math-verify installed?)")
+            raise RewardError("math-verify worker failed to start (is math-verify importable by "
+                              f"{sys.executable}?): {' | '.join(tail) or 'no error output'}")
+        self.ready = True
 
     def read_line(self, deadline: float) -> bytes | None:
         """One reply line, or None on EOF; raises TimeoutError at the deadline."""
@@ -64,7 +81,7 @@ class _Worker:
         except ProcessLookupError:
             pass
         self.proc.wait()
-        for pipe in (self.proc.stdin, self.proc.stdout):
+        for pipe in (self.proc.stdin, self.proc.stdout, self._stderr):
             pipe.close()
 
     def close(self) -> None:
@@ -72,6 +89,7 @@ class _Worker:
             self.proc.stdin.close()
             self.proc.wait(timeout=2)
             self.proc.stdout.close()
+            self._stderr.close()
         except (OSError, subprocess.TimeoutExpired):
             self.kill()
 
@@ -97,9 +115,11 @@ class VerifyPool:
             for w, old in zip(fresh, taken):
                 if old is None:
                     w.start_ready()
-        finally:
-            for w in fresh:
-                self._idle.put(w if w.proc.poll() is None else None)
+        finally:  # a worker whose ready line was not read (an earlier one failed) is not reused
+            for w, old in zip(fresh, taken):
+                if old is None and not w.ready and w.proc.poll() is None:
+                    w.kill()
+                self._idle.put(w if w.ready and w.proc.poll() is None else None)
 
     def verify(self, gold: str, pred: str, timeout_s: float) -> bool:
         """math-verify equivalence of two answer strings (gold first). Raises RewardTimeout
@@ -108,9 +128,10 @@ class VerifyPool:
             raise RewardError("VerifyPool is closed")
         worker = self._idle.get()
         try:
-            if worker is None:
-                worker = _Worker(self.memory_mb)
-                worker.start_ready()
+            if worker is None:  # a worker that fails to start is not put back: the next call retries
+                fresh = _Worker(self.memory_mb)
+                fresh.start_ready()
+                worker = fresh
             soft = max(1, int(timeout_s) - 1)  # math-verify's alarm, a second before the kill
             request = json.dumps({"gold": gold, "pred": pred, "timeout": soft}) + "\n"
             deadline = time.monotonic() + timeout_s

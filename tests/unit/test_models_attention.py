@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from megarl.models.attention import blockwise_attention, cp_shard_index, sequence_coords
+from megarl.models.attention import (SCORE_BLOCK_BYTES, _key_ranges, blockwise_attention, cp_shard_index,
+                                    query_block_size, sequence_coords)
 
 
 def dense_attention(q, k, v, scale, cu):
@@ -68,3 +69,30 @@ def test_cp_shard_index_is_the_load_balanced_chunking():
     assert cp_shard_index([0, 4, 8], 2, 1).tolist() == [1, 2, 5, 6]
     with pytest.raises(ValueError, match="multiple of 2\\*cp"):
         cp_shard_index([0, 6], 2, 0)
+
+
+def test_query_block_is_sized_by_the_key_span_not_the_packed_row():
+    # Qwen2.5-0.5B's 14 heads, a 16k-token row of 2k-token sequences: 32 MiB / (4 B x 14 x (2048 + 512))
+    assert query_block_size(14, 16384, 16384, 2048) == 33554432 // (4 * 14 * 2560) == 234
+    # one 16k sequence at CP=2 (8k local queries over 16k gathered keys): the row is the span
+    assert query_block_size(14, 8192, 16384, 16384) == 33554432 // (4 * 14 * 16384) == 36
+    assert query_block_size(2, 100, 100, 7) == 64  # short sequences: at most max(64, longest)
+    assert query_block_size(64, 10**6, 10**6, 10**6) == 16  # never under 16
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_every_block_stays_inside_the_span_it_was_sized_for(cp):
+    """The bound query_block_size assumes: a block's keys run at most longest + block (CP=1), or
+    2 x longest + block x CP."""
+    g = torch.Generator().manual_seed(cp)
+    for _ in range(20):
+        lengths = (torch.randint(1, 400, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g) * 2 * cp).tolist()
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        seq, pos = sequence_coords(cu)
+        mine = torch.cat([cp_shard_index(cu, cp, r) for r in range(cp)])[: cu[-1] // cp] if cp > 1 else torch.arange(cu[-1])
+        for block in (16, 100, 512):
+            spans = [hi - lo for _, _, lo, hi in _key_ranges(seq[mine], pos[mine], seq, block)]
+            assert max(spans) <= (1 if cp == 1 else 2) * max(lengths) + block * cp
+    assert SCORE_BLOCK_BYTES == 32 << 20

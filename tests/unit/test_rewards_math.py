@@ -220,3 +220,38 @@ def test_hard_deadline_kills_and_restarts_the_worker(pool):
     assert time.monotonic() - start < 2.0
     assert pool.restarts == before + 1
     assert check("Answer: \\frac{2}{4}", "0.5", pool=pool).correct  # the pool still works
+
+
+def test_a_worker_that_cannot_start_says_why_and_is_retried(tmp_path, monkeypatch):
+    """A failed start raises RewardError with the worker's own error every time (the dead worker
+    is not put back for the next call to write into), and the pool recovers once it can start."""
+    from megarl.rewards import math_pool
+
+    broken = tmp_path / "worker.py"
+    broken.write_text("raise ImportError('no module named math_verify (planted)')\n")
+    good = math_pool._WORKER
+    monkeypatch.setattr(math_pool, "_WORKER", broken)
+    p = VerifyPool(size=1)
+    for _ in range(2):
+        with pytest.raises(RewardError, match="failed to start.*planted"):
+            p.verify("1/2", "0.5", timeout_s=5.0)
+    with pytest.raises(RewardError, match="planted"):
+        p.warmup()
+    monkeypatch.setattr(math_pool, "_WORKER", good)
+    assert p.verify("1/2", "0.5", timeout_s=30.0) is True
+    p.close()
+
+
+def test_the_worker_imports_through_pythonpath(tmp_path, monkeypatch):
+    """Packages that reach this process through PYTHONPATH (pip --target installs, containers)
+    reach the worker too: a planted math_verify that calls every pair equal shadows the real one."""
+    fake = tmp_path / "math_verify"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("def parse(s, **kw):\n    return [s]\n\n\n"
+                                      "def verify(a, b, **kw):\n    return True\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    p = VerifyPool(size=1)
+    try:
+        assert p.verify("1", "2", timeout_s=30.0) is True  # the real math-verify says False
+    finally:
+        p.close()
