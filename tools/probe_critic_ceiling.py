@@ -75,12 +75,18 @@ def ridge_probe(x: torch.Tensor, y: torch.Tensor, held_out: torch.Tensor, lam: f
 
 
 def fit_critic(trunk_dir: str, seqs: list[tuple[list[int], list[int], float]], held: list[bool], steps: int,
-               lr: float = 3e-4, batch: int = 64, report_every: int = 250, seed: int = 0) -> list[dict]:
+               lr: float = 3e-4, batch: int = 64, report_every: int = 250, seed: int = 0,
+               token_targets: list[list[float]] | None = None) -> list[dict]:
     """A critic fitted offline with far more optimizer steps than the loop gives it: `trunk_dir`'s
     backbone (all trained) and a zero-initialised linear head, MSE between the value before each
     response token and the sequence's return (lambda = 1), AdamW with a 20-step warm-up, on the
     sequences (prompt ids, response ids, return) not `held`. Returns {step, train_ev, heldout_ev}
-    every `report_every` steps (EV over at most 1,200 sequences of each side)."""
+    every `report_every` steps (EV against the returns, over at most 1,200 sequences of each side).
+
+    `token_targets` (one value per response token of each sequence) replaces the return as the
+    regression target, e.g. the oracle's error-detector values: can the critic learn to detect
+    the errors when told where they are? The log then also holds `heldout_target_ev`, the EV of
+    the held-out values against those targets."""
     import random
 
     from transformers import AutoModelForCausalLM
@@ -92,21 +98,25 @@ def fit_critic(trunk_dir: str, seqs: list[tuple[list[int], list[int], float]], h
     params = [*trunk.parameters(), *head.parameters()]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
 
+    targets = token_targets or [[ret] * len(r) for _, r, ret in seqs]
+    seqs = [(p, r, ret, torch.tensor(t, dtype=torch.float32)) for (p, r, ret), t in zip(seqs, targets)]
+
     def values(rows):
-        width = max(len(p) + len(r) for p, r, _ in rows)
+        width = max(len(p) + len(r) for p, r, _, _ in rows)
         ids, att = torch.zeros(len(rows), width, dtype=torch.long), torch.zeros(len(rows), width, dtype=torch.long)
-        for i, (p, r, _) in enumerate(rows):
+        for i, (p, r, _, _) in enumerate(rows):
             ids[i, : len(p) + len(r)], att[i, : len(p) + len(r)] = torch.tensor(p + r), 1
         v = head(trunk(input_ids=ids, attention_mask=att).last_hidden_state).squeeze(-1)
-        return (torch.cat([v[i, len(p) - 1: len(p) - 1 + len(r)] for i, (p, r, _) in enumerate(rows)]),
-                torch.cat([torch.full((len(r),), ret) for p, r, ret in rows]))
+        return (torch.cat([v[i, len(p) - 1: len(p) - 1 + len(r)] for i, (p, r, _, _) in enumerate(rows)]),
+                torch.cat([torch.full((len(r),), ret) for p, r, ret, _ in rows]),
+                torch.cat([t for _, _, _, t in rows]))
 
     @torch.no_grad()
-    def ev(rows):
+    def ev(rows, against_targets=False):
         trunk.eval()
-        v, r = map(torch.cat, zip(*(values(rows[i: i + 256]) for i in range(0, len(rows), 256))))
+        v, r, t = map(torch.cat, zip(*(values(rows[i: i + 256]) for i in range(0, len(rows), 256))))
         trunk.train()
-        return explained_variance(r.double(), v.double())
+        return explained_variance((t if against_targets else r).double(), v.double())
 
     train = [x for x, h in zip(seqs, held) if not h]
     test = [x for x, h in zip(seqs, held) if h]
@@ -114,15 +124,19 @@ def fit_critic(trunk_dir: str, seqs: list[tuple[list[int], list[int], float]], h
     for step in range(1, steps + 1):
         for g in opt.param_groups:
             g["lr"] = lr * min(1.0, step / 20)
-        v, r = values(rng.sample(train, batch))
+        v, _, t = values(rng.sample(train, batch))
         opt.zero_grad()
-        ((v - r) ** 2).mean().backward()
+        ((v - t) ** 2).mean().backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         if step % report_every == 0:
             log.append({"step": step, "train_ev": ev(train[:1200]), "heldout_ev": ev(test[:1200])})
-            print(f"fit step={step} critic_train_ev={log[-1]['train_ev']:.3f} critic_heldout_ev={log[-1]['heldout_ev']:.3f}",
-                  flush=True)
+            extra = ""
+            if token_targets:
+                log[-1]["heldout_target_ev"] = ev(test[:1200], against_targets=True)
+                extra = f" critic_heldout_target_ev={log[-1]['heldout_target_ev']:.3f}"
+            print(f"fit step={step} critic_train_ev={log[-1]['train_ev']:.3f} critic_heldout_ev={log[-1]['heldout_ev']:.3f}"
+                  + extra, flush=True)
     return log
 
 
@@ -144,6 +158,9 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--fit-steps", type=int, default=0,
                    help="also fit a critic (first --trunks dir, else the policy; all trained) for this many steps")
+    p.add_argument("--fit-target", choices=["return", "oracle"], default="return",
+                   help="what the fitted critic regresses to: the return, or the oracle's per-token values")
+    p.add_argument("--fit-lr", type=float, default=3e-4)
     a = p.parse_args(argv)
     rows = [json.loads(x) for x in Path(a.task).read_text().splitlines()[: a.prompts]]
     engine = BuiltinEngine.from_pretrained(a.policy)
@@ -174,9 +191,12 @@ def main(argv=None) -> None:
         train_ev, held_ev = ridge_probe(torch.cat(feats), r, held)
         print(f"trunk={trunk} probe_train_ev={train_ev:.3f} probe_heldout_ev={held_ev:.3f}", flush=True)
     if a.fit_steps:
+        ns = [n for _, _, _, n in samples]
+        per_sample = list(torch.split(v, ns)) if a.fit_target == "oracle" else None
         fit_critic(([t for t in a.trunks.split(",") if t] or [a.policy])[0],
                    [(s.prompt_ids, s.response_ids, ret) for s, (_, _, ret, _) in zip(out, samples)],
-                   [s.index % 5 == 0 for s in out], a.fit_steps)
+                   [s.index % 5 == 0 for s in out], a.fit_steps, lr=a.fit_lr,
+                   token_targets=[x.tolist() for x in per_sample] if per_sample else None)
 
 
 if __name__ == "__main__":

@@ -62,3 +62,25 @@ def test_fit_critic_learns_a_return_decided_by_the_first_response_token(tmp_path
                        batch=32, report_every=150)
     # tokens 1-5 (5 of 6) see the deciding token: EV ~ 5/6 for a perfect fit
     assert log[-1]["heldout_ev"] > 0.6
+
+
+def test_fit_critic_regresses_to_given_token_targets(tmp_path):
+    """With token_targets the critic fits those (a visible-marker detector), and reports its EV
+    against them as well as against the returns."""
+    from megarl.tasks.tiny_model import TinyModelSpec, save_tiny_model
+
+    save_tiny_model(tmp_path, TinyModelSpec(layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64, seed=0))
+    g = torch.Generator().manual_seed(1)
+    seqs, targets = [], []
+    for i in range(200):
+        resp = torch.randint(30, 60, (6,), generator=g).tolist()
+        bad = int(torch.randint(0, 2, (1,), generator=g))
+        at = int(torch.randint(0, 5, (1,), generator=g))
+        if bad:
+            resp[at] = 7  # the "error" token, visible to every later position
+        seqs.append(([1, 2, 3], resp, -1.0 if bad else 1.0))
+        targets.append([-1.0 if bad and t > at else 0.0 for t in range(6)])
+    log = P.fit_critic(str(tmp_path), seqs, [i % 5 == 0 for i in range(200)], steps=200, lr=3e-3,
+                       batch=32, report_every=200, token_targets=targets)
+    assert log[-1]["heldout_target_ev"] > 0.8
+    assert log[-1]["heldout_ev"] < log[-1]["heldout_target_ev"]  # the returns also vary before the marker
