@@ -49,7 +49,11 @@ class _Worker:
             reply = self.read_line(time.monotonic() + READY_TIMEOUT_S)
         except TimeoutError:
             reply = None
-        if reply is None or not json.loads(reply).get("ready"):
+        try:
+            ready = reply is not None and bool(json.loads(reply).get("ready"))
+        except (ValueError, AttributeError):  # something else on its stdout first
+            ready = False
+        if not ready:
             self.proc.kill()
             self.proc.wait()
             self._stderr.seek(0)
