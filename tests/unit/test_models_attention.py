@@ -78,6 +78,8 @@ def test_query_block_is_sized_by_the_key_span_not_the_packed_row():
     assert query_block_size(14, 8192, 16384, 16384) == 33554432 // (4 * 14 * 16384) == 36
     assert query_block_size(2, 100, 100, 7) == 64  # short sequences: at most max(64, longest)
     assert query_block_size(64, 10**6, 10**6, 10**6) == 16  # never under 16
+    # CPU: sized by the whole row (cache-sized blocks), the formula of earlier releases
+    assert query_block_size(14, 16384, 16384, 2048, on_gpu=False) == 33554432 // (4 * 14 * 16384) == 36
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
