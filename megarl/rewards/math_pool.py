@@ -54,13 +54,8 @@ class _Worker:
         except (ValueError, AttributeError):  # something else on its stdout first
             ready = False
         if not ready:
-            self.proc.kill()
-            self.proc.wait()
-            self._stderr.seek(0)
-            tail = self._stderr.read().decode(errors="replace").strip().splitlines()[-3:]
-            self.kill()
             raise RewardError("math-verify worker failed to start (is math-verify importable by "
-                              f"{sys.executable}?): {' | '.join(tail) or 'no error output'}")
+                              f"{sys.executable}?): {self.kill() or 'no error output'}")
         self.ready = True
 
     def read_line(self, deadline: float) -> bytes | None:
@@ -79,14 +74,20 @@ class _Worker:
         line, self._buf = self._buf.split(b"\n", 1)
         return line
 
-    def kill(self) -> None:
+    def kill(self) -> str:
+        """Kills the worker, closes its pipes; returns the last 3 lines of its stderr."""
         try:
             self.proc.kill()
         except ProcessLookupError:
             pass
         self.proc.wait()
+        if self._stderr.closed:  # killed before
+            return ""
+        self._stderr.seek(0)
+        tail = self._stderr.read().decode(errors="replace").strip().splitlines()[-3:]
         for pipe in (self.proc.stdin, self.proc.stdout, self._stderr):
             pipe.close()
+        return " | ".join(tail)
 
     def close(self) -> None:
         try:
@@ -121,8 +122,8 @@ class VerifyPool:
                     w.start_ready()
         finally:  # a worker whose ready line was not read (an earlier one failed) is not reused
             for w, old in zip(fresh, taken):
-                if old is None and not w.ready and w.proc.poll() is None:
-                    w.kill()
+                if old is None and not w.ready:
+                    w.kill()  # also one that exited: its pipes are closed
                 self._idle.put(w if w.ready and w.proc.poll() is None else None)
 
     def verify(self, gold: str, pred: str, timeout_s: float) -> bool:

@@ -436,3 +436,15 @@ def test_unmodelled_moe_is_refused():
         plan.Arch.from_hf({"model_type": "deepseek_v3", "n_routed_experts": 256, "hidden_size": 7168,
                            "num_hidden_layers": 61, "num_attention_heads": 128, "intermediate_size": 18432,
                            "vocab_size": 129280})
+
+
+@pytest.mark.parametrize("cp,row,seq_len", [(1, 16384, 2048), (1, 65536, 65536), (2, 16384, 1024), (4, 262144, 65536)])
+def test_planner_attention_block_is_the_attentions_own(cp, row, seq_len):
+    """plan_activations mirrors megarl.models.attention.query_block_size (GPU sizing) without
+    importing torch; the two must pick the same block."""
+    attention = pytest.importorskip("megarl.models.attention")
+    cfg = long_cfg("model.transformer_impl=local", "model.sequence_parallel=false", f"parallel.cp={cp}",
+                   "actor.max_tokens_per_microbatch=65536")
+    heads = QWEN32.heads // cfg.parallel.tp
+    workspace = sys.modules[plan.activation_bytes.__module__].attention_workspace_bytes(QWEN32, cfg, row, seq_len)
+    assert workspace == 16 * heads * seq_len * attention.query_block_size(heads, row // cp, row, seq_len)
