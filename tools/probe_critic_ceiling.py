@@ -13,9 +13,15 @@ variances (and optionally a fitted critic's) on the same rollouts (EV = 1 - Var(
   frozen trunk can read).
 - fitted critic (`--fit-steps`): trunk and head trained together offline on the same split, with
   many more optimizer steps than a quickstart run gives the critic (`fit_critic`).
+- true value (`--mc-continuations K`): the policy's own value function, V(s_t) = E[R | prefix],
+  estimated at every `--mc-stride`-th response position by K fresh continuations of that prefix
+  from the same policy (`true_value_ev`, corrected for the estimate's noise). No critic that reads
+  the prefix can explain more of the return on average than this: it is the ceiling of the
+  trainer's `critic/explained_variance` for this policy.
 
     python tools/probe_critic_ceiling.py --policy POLICY_HF --trunks A_HF,B_HF --task runs/x/task/train.jsonl
     python tools/probe_critic_ceiling.py --policy POLICY_HF --task ... --prompts 2000 --fit-steps 500
+    python tools/probe_critic_ceiling.py --policy POLICY_HF --task ... --prompts 160 --samples 2 --mc-continuations 16
 
 HF dirs come from `tools/convert_checkpoint.py megatron-to-hf`. Byte-level tokenizer assumed (the
 quickstart's: one token per character), as the oracle maps characters to tokens.
@@ -64,6 +70,47 @@ def oracle_values(samples: list[tuple[str, str, float, int]],
                 clean[pos_t == t] = r[at].mean()
     v = torch.where(seen_t, torch.tensor(-1.0, dtype=torch.float64), clean)
     return r, v, float(seen_t.double().mean())
+
+
+def true_value_ev(returns: torch.Tensor, mc_means: torch.Tensor, mc_sq_errors: torch.Tensor) -> float:
+    """Explained variance of the true value function V*(s_t) = E[R | s_t], from Monte-Carlo
+    estimates V^ = the mean of K continuation returns from s_t, independent of the sample's own R:
+
+        EV* = 1 - (Var(R - V^) - mean(s_t^2 / K)) / Var(R)
+
+    Var(R - V^) = Var(R - V*) + E[(V^ - V*)^2] since the continuations are independent of R given
+    s_t, and s_t^2 / K (the continuations' unbiased variance over K, `mc_sq_errors`) estimates
+    E[(V^ - V*)^2] without bias, so EV* is unbiased for the ceiling up to the ratio's estimate."""
+    return float(1 - ((returns - mc_means).var() - mc_sq_errors.mean()) / returns.var())
+
+
+def mc_true_values(engine, tok, samples, totals: list[int], k: int, stride: int, temperature: float,
+                   seed: int, max_new_tokens: int = 80) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For every `stride`-th position t of each sampled response (`engine` Samples), K fresh
+    continuations of prompt + response[:t] from `engine`'s policy. Returns per scored token
+    (return R, MC mean V^, s^2/K, position t)."""
+    from megarl.rollout import SamplingParams
+
+    out_r, out_v, out_e, out_t = [], [], [], []
+    longest = max(len(s.response_ids) for s in samples)
+    for t in range(0, longest, stride):
+        live = [i for i, s in enumerate(samples) if len(s.response_ids) > t]
+        conts = engine.generate([samples[i].prompt_ids + samples[i].response_ids[:t] for i in live],
+                                SamplingParams(n=k, temperature=temperature, max_new_tokens=max_new_tokens - t,
+                                               seed=seed * 1000 + t))
+        rets = torch.tensor([score(tok.decode(samples[live[c.index]].response_ids[:t] + c.response_ids,
+                                              skip_special_tokens=True), totals[live[c.index]])
+                             for c in conts], dtype=torch.float64).view(len(live), k)
+        out_r += [score(tok.decode(samples[i].response_ids, skip_special_tokens=True), totals[i]) for i in live]
+        out_v.append(rets.mean(1))
+        out_e.append(rets.var(1) / k)
+        out_t += [t] * len(live)
+    return (torch.tensor(out_r, dtype=torch.float64), torch.cat(out_v), torch.cat(out_e), torch.tensor(out_t))
+
+
+def score(text: str, total: int) -> float:
+    """The quickstart's +1 / -1 outcome: the last line is `Answer: <a+b>`."""
+    return 1.0 if text.strip().split("\n")[-1] == f"Answer: {total}" else -1.0
 
 
 def ridge_probe(x: torch.Tensor, y: torch.Tensor, held_out: torch.Tensor, lam: float = 1e-2) -> tuple[float, float]:
@@ -157,28 +204,41 @@ def main(argv=None) -> None:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--fit-steps", type=int, default=0,
-                   help="also fit a critic (first --trunks dir, else the policy; all trained) for this many steps")
+                   help="also fit a critic (--fit-trunk, else the first --trunks dir, else the policy; all trained) "
+                        "for this many steps")
+    p.add_argument("--fit-trunk", default="", help="HF dir the fitted critic starts from (same tokenizer as the policy)")
     p.add_argument("--fit-target", choices=["return", "oracle"], default="return",
                    help="what the fitted critic regresses to: the return, or the oracle's per-token values")
     p.add_argument("--fit-lr", type=float, default=3e-4)
+    p.add_argument("--mc-continuations", type=int, default=0,
+                   help="K: estimate the true value function's EV from K continuations per scored position")
+    p.add_argument("--mc-stride", type=int, default=1, help="score every n-th response position")
     a = p.parse_args(argv)
     rows = [json.loads(x) for x in Path(a.task).read_text().splitlines()[: a.prompts]]
     engine = BuiltinEngine.from_pretrained(a.policy)
     tok = engine.tokenizer
     out = engine.generate([tok.encode(apply_template("arith", r["problem"])) for r in rows],
                           SamplingParams(n=a.samples, temperature=a.temperature, max_new_tokens=80, seed=a.seed))
-    samples = []
+    samples, totals = [], []
     for s in out:
         x, y = map(int, rows[s.index]["problem"].split("+"))
         lines, total = cot_lines(x, y)
         text = tok.decode(s.response_ids, skip_special_tokens=True)
-        ret = 1.0 if text.strip().split("\n")[-1] == f"Answer: {total}" else -1.0
-        samples.append((text, "\n".join(lines + [f"Answer: {total}"]), ret, len(s.response_ids)))
+        samples.append((text, "\n".join(lines + [f"Answer: {total}"]), score(text, total), len(s.response_ids)))
+        totals.append(total)
     r, v, after = oracle_values(samples)
     acc = sum(s[2] > 0 for s in samples) / len(samples)
     print(f"samples={len(samples)} accuracy={acc:.3f} tokens={len(r)} return_var={float(r.var()):.3f} "
           f"oracle_ev={explained_variance(r, v):.3f} tokens_after_visible_error={after:.3f} "
           f"oracle_by_position_ev={explained_variance(r, oracle_values(samples, by_position=True)[1]):.3f}", flush=True)
+    if a.mc_continuations:
+        mr, mv, me, mt = mc_true_values(engine, tok, out, totals, a.mc_continuations, a.mc_stride,
+                                        a.temperature, a.seed + 1)
+        parts = " ".join(f"t{lo}-{lo + 15}={true_value_ev(mr[(mt >= lo) & (mt < lo + 16)], mv[(mt >= lo) & (mt < lo + 16)], me[(mt >= lo) & (mt < lo + 16)]):.3f}"
+                         for lo in range(0, int(mt.max()) + 1, 16))
+        print(f"true_value_ev={true_value_ev(mr, mv, me):.3f} (K={a.mc_continuations}, {len(mr)} scored tokens, "
+              f"stride {a.mc_stride}) first_token_ev={true_value_ev(mr[mt == 0], mv[mt == 0], me[mt == 0]):.3f} "
+              f"by_position: {parts}", flush=True)
     held = torch.cat([torch.full((n,), s.index % 5 == 0) for s, (_, _, _, n) in zip(out, samples)])
     for trunk in [t for t in a.trunks.split(",") if t]:
         model = AutoModelForCausalLM.from_pretrained(trunk, dtype=torch.float32).eval()
@@ -193,7 +253,7 @@ def main(argv=None) -> None:
     if a.fit_steps:
         ns = [n for _, _, _, n in samples]
         per_sample = list(torch.split(v, ns)) if a.fit_target == "oracle" else None
-        fit_critic(([t for t in a.trunks.split(",") if t] or [a.policy])[0],
+        fit_critic(([a.fit_trunk] if a.fit_trunk else [t for t in a.trunks.split(",") if t] or [a.policy])[0],
                    [(s.prompt_ids, s.response_ids, ret) for s, (_, _, ret, _) in zip(out, samples)],
                    [s.index % 5 == 0 for s in out], a.fit_steps, lr=a.fit_lr,
                    token_targets=[x.tolist() for x in per_sample] if per_sample else None)

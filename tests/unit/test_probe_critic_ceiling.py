@@ -84,3 +84,31 @@ def test_fit_critic_regresses_to_given_token_targets(tmp_path):
                        batch=32, report_every=200, token_targets=targets)
     assert log[-1]["heldout_target_ev"] > 0.8
     assert log[-1]["heldout_ev"] < log[-1]["heldout_target_ev"]  # the returns also vary before the marker
+
+
+def test_true_value_ev_corrects_the_monte_carlo_noise():
+    # returns R ~ +1 w.p. p(s), -1 else, with p known: the true value V*(s) = 2p - 1 and the ceiling
+    # EV* = Var(V*) / Var(R). K = 4 continuations estimate V* with noise that a plain EV would
+    # count against it; true_value_ev removes it.
+    g = torch.Generator().manual_seed(0)
+    n, k = 200_000, 4
+    p = torch.rand(n, generator=g, dtype=torch.float64)
+    v_star = 2 * p - 1
+    draw = lambda *shape: torch.where(torch.rand(*shape, generator=g, dtype=torch.float64) < p.view(-1, *[1] * (len(shape) - 1)), 1.0, -1.0)
+    r = draw(n)
+    conts = draw(n, k)
+    ceiling = float(v_star.var() / (v_star.var() + (1 - v_star ** 2).mean()))  # Var(E[R|s]) / Var(R)
+    assert ceiling == pytest.approx(1 / 3 / (1 / 3 + 2 / 3), abs=0.01)  # p ~ U(0,1): Var(V*) = 1/3, E[1 - V*^2] = 2/3
+    naive = P.explained_variance(r, conts.mean(1))
+    est = P.true_value_ev(r, conts.mean(1), conts.var(1) / k)
+    assert est == pytest.approx(ceiling, abs=0.01)
+    assert naive < ceiling - 0.1  # the uncorrected estimate is well below the ceiling
+    # a constant value explains nothing: V^ = mean return, no noise
+    assert P.true_value_ev(r, torch.full_like(r, float(r.mean())), torch.zeros(n, dtype=torch.float64)) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_score_reads_the_last_line():
+    assert P.score("1+2=3 3\nAnswer: 3", 3) == 1.0
+    assert P.score("Answer: 3\n", 3) == 1.0
+    assert P.score("Answer: 3\nAnswer: 4", 3) == -1.0
+    assert P.score("", 3) == -1.0
