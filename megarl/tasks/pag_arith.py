@@ -38,22 +38,30 @@ from megarl.tasks.tiny_model import EOS_TOKEN
 ROW_KINDS = {"solution": 0.5, "verification": 0.3, "revision": 0.2}  # share of SFT rows of each turn kind
 
 
-def answer_sft_row(prompt: str, right: str, wrong_answer, verification, kind: str, rng: random.Random,
-                   verify: str, revise: str) -> dict:
-    """{prompt, response} of one SFT row of `kind` for a task whose solution is `Answer: <right>`:
-    solution; verification of the right answer or (half the rows) of `wrong_answer(rng)`, with
-    `verification(answer)` as the response; revision: a wrong answer, its verification and the
-    right answer (the turns before the trained one in the prompt, with their end-of-text tokens)."""
+def pag_sft_row(task: str, prompt: str, solution: str, wrong_solution, verification, kind: str,
+                rng: random.Random, verify: str, revise: str) -> dict:
+    """{prompt, response} of one SFT row of `kind` of PAG `task`: solution (`solution`, the right
+    response); verification of the right response or (half the rows) of `wrong_solution(rng)`, with
+    `verification(shown response)` as the response; revision: a wrong response, its verification
+    and the right one (the turns before the trained one in the prompt, with their end-of-text tokens)."""
     if kind == "solution":
-        return {"prompt": prompt, "response": f"Answer: {right}"}
+        return {"prompt": prompt, "response": solution}
     if kind == "verification":
-        shown = right if rng.random() < 0.5 else wrong_answer(rng)
-        return {"prompt": prompt + f"Answer: {shown}" + EOS_TOKEN + verify, "response": verification(shown)}
+        shown = solution if rng.random() < 0.5 else wrong_solution(rng)
+        return {"prompt": prompt + shown + EOS_TOKEN + verify, "response": verification(shown)}
     if kind == "revision":
-        wrong = wrong_answer(rng)
-        context = prompt + f"Answer: {wrong}" + EOS_TOKEN + verify + verification(wrong) + EOS_TOKEN + revise
-        return {"prompt": context, "response": f"Answer: {right}"}
-    raise ValueError(f"unknown SFT row kind {kind!r}")
+        shown = wrong_solution(rng)
+        context = prompt + shown + EOS_TOKEN + verify + verification(shown) + EOS_TOKEN + revise
+        return {"prompt": context, "response": solution}
+    raise ValueError(f"{task}: unknown SFT row kind {kind!r}")
+
+
+def answer_sft_row(task: str, prompt: str, right: str, wrong_answer, verification, kind: str,
+                   rng: random.Random, verify: str, revise: str) -> dict:
+    """`pag_sft_row` for a task whose solution is `Answer: <right>` and whose verifier turn
+    `verification(answer)` reads the answer alone; `wrong_answer(rng)` draws a wrong answer."""
+    return pag_sft_row(task, prompt, f"Answer: {right}", lambda r: f"Answer: {wrong_answer(r)}",
+                       lambda shown: verification(shown.removeprefix("Answer: ")), kind, rng, verify, revise)
 
 
 def write_pag_files(out_dir: str | Path, task: str, problems: list, problem_text, answer, sft_row,
@@ -135,18 +143,8 @@ def verification(solution: str) -> str:
 
 def sft_row(a: int, b: int, kind: str, rng: random.Random, verify: str, revise: str) -> dict:
     """{prompt, response} of one SFT row of `kind` (solution | verification | revision)."""
-    prompt = apply_template("arith", f"{a}+{b}")
-    solution = cot_response(a, b)
-    if kind == "solution":
-        return {"prompt": prompt, "response": solution}
-    if kind == "verification":
-        shown = solution if rng.random() < 0.5 else wrong_solution(a, b, rng)[0]
-        return {"prompt": prompt + shown + EOS_TOKEN + verify, "response": verification(shown)}
-    if kind == "revision":
-        shown = wrong_solution(a, b, rng)[0]
-        context = prompt + shown + EOS_TOKEN + verify + verification(shown) + EOS_TOKEN + revise
-        return {"prompt": context, "response": solution}
-    raise ValueError(f"pag_arith: unknown SFT row kind {kind!r}")
+    return pag_sft_row("pag_arith", apply_template("arith", f"{a}+{b}"), cot_response(a, b),
+                       lambda r: wrong_solution(a, b, r)[0], verification, kind, rng, verify, revise)
 
 
 def write_task_files(out_dir: str | Path, verify: str, revise: str, n_sft: int = 24000, n_train: int = 4000,

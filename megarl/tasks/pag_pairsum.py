@@ -104,8 +104,9 @@ def verification(problem: Problem, ans: str) -> str:
 
 def sft_row(problem: Problem, kind: str, rng: random.Random, verify: str, revise: str) -> dict:
     """{prompt, response} of one SFT row of `kind` (solution | verification | revision)."""
-    return answer_sft_row(problem_text(problem), answer(problem), lambda r: wrong_answer(problem, r),
-                          lambda ans: verification(problem, ans), kind, rng, verify, revise)
+    return answer_sft_row(DATA_SOURCE, problem_text(problem), answer(problem),
+                          lambda r: wrong_answer(problem, r), lambda ans: verification(problem, ans),
+                          kind, rng, verify, revise)
 
 
 def write_task_files(out_dir: str | Path, verify: str, revise: str, n_sft: int = 20000, n_train: int = 2000,

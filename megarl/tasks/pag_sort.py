@@ -31,7 +31,7 @@ from megarl.tasks.pag_arith import answer_sft_row, pag_table_metrics, with_verdi
 DATA_SOURCE = "pag_sort"
 N_DIGITS = 5
 ROW_KINDS = {"solution": 0.15, "verification": 0.7, "revision": 0.15}  # share of SFT rows of each turn kind
-TABLE_METRICS = pag_table_metrics("pag_sort")
+TABLE_METRICS = pag_table_metrics(DATA_SOURCE)
 
 
 def problem_text(digits: str) -> str:
@@ -81,8 +81,9 @@ def verification(digits: str, answer: str) -> str:
 
 def sft_row(digits: str, kind: str, rng: random.Random, verify: str, revise: str) -> dict:
     """{prompt, response} of one SFT row of `kind` (solution | verification | revision)."""
-    return answer_sft_row(problem_text(digits), "".join(sorted(digits)), lambda r: wrong_answer(digits, r),
-                          lambda ans: verification(digits, ans), kind, rng, verify, revise)
+    return answer_sft_row(DATA_SOURCE, problem_text(digits), "".join(sorted(digits)),
+                          lambda r: wrong_answer(digits, r), lambda ans: verification(digits, ans),
+                          kind, rng, verify, revise)
 
 
 def write_task_files(out_dir: str | Path, verify: str, revise: str, n_sft: int = 12000, n_train: int = 2000,

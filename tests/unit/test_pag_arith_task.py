@@ -3,6 +3,8 @@
 import json
 import random
 
+import pytest
+
 from megarl.rollout.multi_turn import VERDICT_CORRECT, VERDICT_WRONG, parse_verdict
 from megarl.tasks import pag_arith as P
 from megarl.tasks.arith import cot_lines, cot_response
@@ -53,3 +55,14 @@ def test_sft_rows_put_the_earlier_turns_in_the_prompt(tmp_path):
             assert r["prompt"].endswith(VERDICT_WRONG + EOS_TOKEN + "<R>") and r["response"] == cot_response(a, b)
     problems = {json.loads(x)["problem"] for s in ("train", "eval") for x in paths[s].read_text().splitlines()}
     assert not problems & {r["problem"] for r in rows}  # disjoint splits
+
+
+def test_an_unknown_sft_row_kind_names_the_task():
+    from megarl.tasks import pag_pairsum, pag_sort
+
+    for build, name in ((lambda k: P.sft_row(12, 34, k, random.Random(0), "V", "R"), "pag_arith"),
+                        (lambda k: pag_pairsum.sft_row(("12345", 9), k, random.Random(0), "V", "R"), "pag_pairsum"),
+                        (lambda k: pag_sort.sft_row("31524", k, random.Random(0), "V", "R"), "pag_sort")):
+        with pytest.raises(ValueError, match=f"^{name}: unknown SFT row kind 'answer'$"):
+            build("answer")
+        assert build("solution")["prompt"]  # the known kinds still build
