@@ -1,7 +1,7 @@
 """How much of the arithmetic quickstart's return variance a critic could explain (issue: a critic
-that learns). Samples the policy, scores the samples, and reports two token-level explained
-variances (and optionally a fitted critic's) on the same rollouts (EV = 1 - Var(R - V) / Var(R) over response tokens, the trainer's
-`critic/explained_variance` with lambda_critic = 1):
+that learns). Samples the policy, scores the samples, and reports token-level explained variances
+of these values on the same rollouts (EV = 1 - Var(R - V) / Var(R) over response tokens, the
+trainer's `critic/explained_variance` with lambda_critic = 1):
 
 - oracle: V(t) = -1 once the response has departed from the reference chain of thought before
   token t (the wrong character is visible to the state before t), else the mean return of the
