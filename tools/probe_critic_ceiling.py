@@ -91,6 +91,9 @@ def mc_true_values(engine, tok, samples, totals: list[int], k: int, stride: int,
     (return R, MC mean V^, s^2/K, position t)."""
     from megarl.rollout import SamplingParams
 
+    if k < 2:
+        raise ValueError(f"--mc-continuations must be >= 2 (the noise correction needs a variance), got {k}")
+    own = [score(tok.decode(s.response_ids, skip_special_tokens=True), total) for s, total in zip(samples, totals)]
     out_r, out_v, out_e, out_t = [], [], [], []
     longest = max(len(s.response_ids) for s in samples)
     for t in range(0, longest, stride):
@@ -101,7 +104,7 @@ def mc_true_values(engine, tok, samples, totals: list[int], k: int, stride: int,
         rets = torch.tensor([score(tok.decode(samples[live[c.index]].response_ids[:t] + c.response_ids,
                                               skip_special_tokens=True), totals[live[c.index]])
                              for c in conts], dtype=torch.float64).view(len(live), k)
-        out_r += [score(tok.decode(samples[i].response_ids, skip_special_tokens=True), totals[i]) for i in live]
+        out_r += [own[i] for i in live]
         out_v.append(rets.mean(1))
         out_e.append(rets.var(1) / k)
         out_t += [t] * len(live)
@@ -234,11 +237,13 @@ def main(argv=None) -> None:
     if a.mc_continuations:
         mr, mv, me, mt = mc_true_values(engine, tok, out, totals, a.mc_continuations, a.mc_stride,
                                         a.temperature, a.seed + 1)
-        parts = " ".join(f"t{lo}-{lo + 15}={true_value_ev(mr[(mt >= lo) & (mt < lo + 16)], mv[(mt >= lo) & (mt < lo + 16)], me[(mt >= lo) & (mt < lo + 16)]):.3f}"
+        def ev_where(m):
+            return true_value_ev(mr[m], mv[m], me[m])
+
+        parts = " ".join(f"t{lo}-{lo + 15}={ev_where((mt >= lo) & (mt < lo + 16)):.3f}"
                          for lo in range(0, int(mt.max()) + 1, 16))
-        print(f"true_value_ev={true_value_ev(mr, mv, me):.3f} (K={a.mc_continuations}, {len(mr)} scored tokens, "
-              f"stride {a.mc_stride}) first_token_ev={true_value_ev(mr[mt == 0], mv[mt == 0], me[mt == 0]):.3f} "
-              f"by_position: {parts}", flush=True)
+        print(f"true_value_ev={ev_where(mt >= 0):.3f} (K={a.mc_continuations}, {len(mr)} scored tokens, "
+              f"stride {a.mc_stride}) first_token_ev={ev_where(mt == 0):.3f} by_position: {parts}", flush=True)
     held = torch.cat([torch.full((n,), s.index % 5 == 0) for s, (_, _, _, n) in zip(out, samples)])
     for trunk in [t for t in a.trunks.split(",") if t]:
         model = AutoModelForCausalLM.from_pretrained(trunk, dtype=torch.float32).eval()

@@ -112,3 +112,8 @@ def test_score_reads_the_last_line():
     assert P.score("Answer: 3\n", 3) == 1.0
     assert P.score("Answer: 3\nAnswer: 4", 3) == -1.0
     assert P.score("", 3) == -1.0
+
+
+def test_true_values_need_two_continuations():
+    with pytest.raises(ValueError, match="--mc-continuations must be >= 2"):
+        P.mc_true_values(None, None, [], [], k=1, stride=1, temperature=1.0, seed=0)
