@@ -84,16 +84,16 @@ def true_value_ev(returns: torch.Tensor, mc_means: torch.Tensor, mc_sq_errors: t
     return float(1 - ((returns - mc_means).var() - mc_sq_errors.mean()) / returns.var())
 
 
-def mc_true_values(engine, tok, samples, totals: list[int], k: int, stride: int, temperature: float,
-                   seed: int, max_new_tokens: int = 80) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For every `stride`-th position t of each sampled response (`engine` Samples), K fresh
-    continuations of prompt + response[:t] from `engine`'s policy. Returns per scored token
-    (return R, MC mean V^, s^2/K, position t)."""
+def mc_true_values(engine, tok, samples, totals: list[int], returns: list[float], k: int, stride: int,
+                   temperature: float, seed: int,
+                   max_new_tokens: int = 80) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For every `stride`-th position t of each sampled response (`engine` Samples, scored
+    `returns`), K fresh continuations of prompt + response[:t] from `engine`'s policy. Returns per
+    scored token (return R, MC mean V^, s^2/K, position t)."""
     from megarl.rollout import SamplingParams
 
     if k < 2:
         raise ValueError(f"--mc-continuations must be >= 2 (the noise correction needs a variance), got {k}")
-    own = [score(tok.decode(s.response_ids, skip_special_tokens=True), total) for s, total in zip(samples, totals)]
     out_r, out_v, out_e, out_t = [], [], [], []
     longest = max(len(s.response_ids) for s in samples)
     for t in range(0, longest, stride):
@@ -104,7 +104,7 @@ def mc_true_values(engine, tok, samples, totals: list[int], k: int, stride: int,
         rets = torch.tensor([score(tok.decode(samples[live[c.index]].response_ids[:t] + c.response_ids,
                                               skip_special_tokens=True), totals[live[c.index]])
                              for c in conts], dtype=torch.float64).view(len(live), k)
-        out_r += [own[i] for i in live]
+        out_r += [returns[i] for i in live]
         out_v.append(rets.mean(1))
         out_e.append(rets.var(1) / k)
         out_t += [t] * len(live)
@@ -235,8 +235,8 @@ def main(argv=None) -> None:
           f"oracle_ev={explained_variance(r, v):.3f} tokens_after_visible_error={after:.3f} "
           f"oracle_by_position_ev={explained_variance(r, oracle_values(samples, by_position=True)[1]):.3f}", flush=True)
     if a.mc_continuations:
-        mr, mv, me, mt = mc_true_values(engine, tok, out, totals, a.mc_continuations, a.mc_stride,
-                                        a.temperature, a.seed + 1)
+        mr, mv, me, mt = mc_true_values(engine, tok, out, totals, [ret for _, _, ret, _ in samples],
+                                        a.mc_continuations, a.mc_stride, a.temperature, a.seed + 1)
         def ev_where(m):
             return true_value_ev(mr[m], mv[m], me[m])
 

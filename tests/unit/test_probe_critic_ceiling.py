@@ -116,4 +116,4 @@ def test_score_reads_the_last_line():
 
 def test_true_values_need_two_continuations():
     with pytest.raises(ValueError, match="--mc-continuations must be >= 2"):
-        P.mc_true_values(None, None, [], [], k=1, stride=1, temperature=1.0, seed=0)
+        P.mc_true_values(None, None, [], [], [], k=1, stride=1, temperature=1.0, seed=0)
