@@ -13,6 +13,11 @@ trainer's `critic/explained_variance` with lambda_critic = 1):
   frozen trunk can read).
 - fitted critic (`--fit-steps`): trunk and head trained together offline on the same split, with
   many more optimizer steps than a quickstart run gives the critic (`fit_critic`).
+- critic from a process reward model (`--prm-synthetic P --prm-steps N`): the critic's trunk and head
+  first fitted to step labels of synthetic chains of thought (`noisy_cot`: the quickstart's
+  procedure written with each digit wrong with probability P; +1 before the first error, the
+  outcome after it: `prm_token_targets`), as VAPO / VC-PPO start the critic from a reward model and
+  the code-PRM paper from a PRM; then `--fit-steps` of value fitting on the policy's returns.
 - true value (`--mc-continuations K`): the policy's own value function, V(s_t) = E[R | prefix],
   estimated at every `--mc-stride`-th response position by K fresh continuations of that prefix
   from the same policy (`true_value_ev`, corrected for the estimate's noise). No critic that reads
@@ -22,6 +27,8 @@ trainer's `critic/explained_variance` with lambda_critic = 1):
     python tools/probe_critic_ceiling.py --policy POLICY_HF --trunks A_HF,B_HF --task runs/x/task/train.jsonl
     python tools/probe_critic_ceiling.py --policy POLICY_HF --task ... --prompts 2000 --fit-steps 500
     python tools/probe_critic_ceiling.py --policy POLICY_HF --task ... --prompts 160 --samples 2 --mc-continuations 16
+    python tools/probe_critic_ceiling.py --policy POLICY_HF --task ... --prm-synthetic 0.03 --prm-problems SFT_JSONL \
+        --prm-steps 1000 --fit-steps 80 --report-every 20
 
 HF dirs come from `tools/convert_checkpoint.py megatron-to-hf`. Byte-level tokenizer assumed (the
 quickstart's: one token per character), as the oracle maps characters to tokens.
@@ -48,6 +55,41 @@ def first_departure(text: str, reference: str) -> int:
     return next((i for i, (x, y) in enumerate(zip(text, reference)) if x != y), min(len(text), len(reference)))
 
 
+def visible_error_at(text: str, reference: str, ret: float) -> int | None:
+    """The first response position whose state sees a departure from `reference` (the token after
+    the first differing character), or None for a sample scored right."""
+    return None if ret > 0 else min(first_departure(text, reference), max(len(text) - 1, 0)) + 1
+
+
+def prm_token_targets(text: str, reference: str, ret: float, n: int) -> list[float]:
+    """Process-reward labels of one response's n tokens: +1 while every step written so far is
+    right (the PRM convention), the outcome `ret` from the first token that sees an error."""
+    err = visible_error_at(text, reference, ret)
+    return [ret if err is not None and t >= err else 1.0 for t in range(n)]
+
+
+def noisy_cot(a: int, b: int, p: float, rng) -> str:
+    """The quickstart's chain of thought for a + b written by a noisy executor: every digit it
+    reads or writes (operand digits, column sum, answer so far, final answer) is replaced by a
+    random other digit with probability p, and later steps work from what was written (the carry is
+    the written sum's tens digit), as the policy's own errors propagate."""
+    def noisy(digits: str) -> str:
+        return "".join(str(rng.choice([d for d in range(10) if d != int(c)])) if rng.random() < p else c
+                       for c in digits)
+
+    da, db = str(a)[::-1], str(b)[::-1]
+    lines, carry, so_far = [], 0, ""
+    n = max(len(da), len(db))
+    for i in range(n):
+        x = int(noisy(da[i] if i < len(da) else "0"))
+        y = int(noisy(db[i] if i < len(db) else "0"))
+        s = int(noisy(str(x + y + carry)))
+        so_far = noisy((str(s) if i == n - 1 else str(s % 10)) + so_far)
+        lines.append(f"{x}+{y}+{carry}={s} {so_far}")
+        carry = s // 10
+    return "\n".join(lines + [f"Answer: {noisy(so_far)}"])
+
+
 def oracle_values(samples: list[tuple[str, str, float, int]],
                   by_position: bool = False) -> tuple[torch.Tensor, torch.Tensor, float]:
     """samples: (response text, reference, return, n tokens) -> (returns, oracle values, share of
@@ -57,7 +99,7 @@ def oracle_values(samples: list[tuple[str, str, float, int]],
     detector that also knows how far the response has got)."""
     seen, rets, pos = [], [], []
     for text, ref, ret, n in samples:
-        err = None if ret > 0 else min(first_departure(text, ref), max(len(text) - 1, 0)) + 1
+        err = visible_error_at(text, ref, ret)
         seen += [err is not None and t >= err for t in range(n)]
         rets += [ret] * n
         pos += list(range(n))
@@ -124,14 +166,27 @@ def ridge_probe(x: torch.Tensor, y: torch.Tensor, held_out: torch.Tensor, lam: f
     return explained_variance(y[~held_out], a @ w), explained_variance(y[held_out], x[held_out] @ w)
 
 
-def fit_critic(trunk_dir: str, seqs: list[tuple[list[int], list[int], float]], held: list[bool], steps: int,
-               lr: float = 3e-4, batch: int = 64, report_every: int = 250, seed: int = 0,
-               token_targets: list[list[float]] | None = None) -> list[dict]:
-    """A critic fitted offline with far more optimizer steps than the loop gives it: `trunk_dir`'s
-    backbone (all trained) and a zero-initialised linear head, MSE between the value before each
-    response token and the sequence's return (lambda = 1), AdamW with a 20-step warm-up, on the
-    sequences (prompt ids, response ids, return) not `held`. Returns {step, train_ev, heldout_ev}
-    every `report_every` steps (EV against the returns, over at most 1,200 sequences of each side).
+def load_critic(trunk_dir: str, seed: int = 0) -> tuple[torch.nn.Module, torch.nn.Linear]:
+    """(trunk, head): `trunk_dir`'s backbone and a zero-initialised linear value head."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    lm = AutoModelForCausalLM.from_pretrained(trunk_dir, dtype=torch.float32)
+    head = torch.nn.Linear(lm.config.hidden_size, 1)
+    torch.nn.init.zeros_(head.weight), torch.nn.init.zeros_(head.bias)
+    return lm.model, head
+
+
+def fit_critic(critic: tuple[torch.nn.Module, torch.nn.Linear], seqs: list[tuple[list[int], list[int], float]],
+               held: list[bool], steps: int, lr: float = 3e-4, batch: int = 64, report_every: int = 250,
+               seed: int = 0, token_targets: list[list[float]] | None = None, report_start: bool = False,
+               tag: str = "fit") -> list[dict]:
+    """A critic fitted offline with far more optimizer steps than the loop gives it: `critic`
+    (`load_critic`: a backbone and a linear head, all trained, in place), MSE between the value
+    before each response token and the sequence's return (lambda = 1), AdamW with a 20-step
+    warm-up, on the sequences (prompt ids, response ids, return) not `held`. Returns {step,
+    train_ev, heldout_ev} every `report_every` steps, and at step 0 with `report_start` (EV against
+    the returns, over at most 1,200 sequences of each side).
 
     `token_targets` (one value per response token of each sequence) replaces the return as the
     regression target, e.g. the oracle's error-detector values: can the critic learn to detect
@@ -139,12 +194,8 @@ def fit_critic(trunk_dir: str, seqs: list[tuple[list[int], list[int], float]], h
     the held-out values against those targets."""
     import random
 
-    from transformers import AutoModelForCausalLM
-
     torch.manual_seed(seed)
-    lm = AutoModelForCausalLM.from_pretrained(trunk_dir, dtype=torch.float32)
-    trunk, head = lm.model, torch.nn.Linear(lm.config.hidden_size, 1)
-    torch.nn.init.zeros_(head.weight), torch.nn.init.zeros_(head.bias)
+    trunk, head = critic
     params = [*trunk.parameters(), *head.parameters()]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
 
@@ -171,21 +222,22 @@ def fit_critic(trunk_dir: str, seqs: list[tuple[list[int], list[int], float]], h
     train = [x for x, h in zip(seqs, held) if not h]
     test = [x for x, h in zip(seqs, held) if h]
     rng, log = random.Random(seed), []
-    for step in range(1, steps + 1):
-        for g in opt.param_groups:
-            g["lr"] = lr * min(1.0, step / 20)
-        v, _, t = values(rng.sample(train, batch))
-        opt.zero_grad()
-        ((v - t) ** 2).mean().backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+    for step in range(0 if report_start else 1, steps + 1):
+        if step:
+            for g in opt.param_groups:
+                g["lr"] = lr * min(1.0, step / 20)
+            v, _, t = values(rng.sample(train, batch))
+            opt.zero_grad()
+            ((v - t) ** 2).mean().backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
         if step % report_every == 0:
             log.append({"step": step, "train_ev": ev(train[:1200]), "heldout_ev": ev(test[:1200])})
             extra = ""
             if token_targets:
                 log[-1]["heldout_target_ev"] = ev(test[:1200], against_targets=True)
                 extra = f" critic_heldout_target_ev={log[-1]['heldout_target_ev']:.3f}"
-            print(f"fit step={step} critic_train_ev={log[-1]['train_ev']:.3f} critic_heldout_ev={log[-1]['heldout_ev']:.3f}"
+            print(f"{tag} step={step} critic_train_ev={log[-1]['train_ev']:.3f} critic_heldout_ev={log[-1]['heldout_ev']:.3f}"
                   + extra, flush=True)
     return log
 
@@ -213,6 +265,13 @@ def main(argv=None) -> None:
     p.add_argument("--fit-target", choices=["return", "oracle"], default="return",
                    help="what the fitted critic regresses to: the return, or the oracle's per-token values")
     p.add_argument("--fit-lr", type=float, default=3e-4)
+    p.add_argument("--report-every", type=int, default=250, help="fitted critics: report EVs every n steps")
+    p.add_argument("--prm-synthetic", type=float, default=0.0,
+                   help="P: before the value fit, fit the critic to the step labels of synthetic chains of "
+                        "thought written with each digit wrong with probability P (a process reward model)")
+    p.add_argument("--prm-problems", default="", help="arith rows (problem) the synthetic chains are written for, "
+                                                       "e.g. the run's sft.jsonl (disjoint from --task)")
+    p.add_argument("--prm-steps", type=int, default=1000)
     p.add_argument("--mc-continuations", type=int, default=0,
                    help="K: estimate the true value function's EV from K continuations per scored position")
     p.add_argument("--mc-stride", type=int, default=1, help="score every n-th response position")
@@ -255,14 +314,40 @@ def main(argv=None) -> None:
                 feats.append(h[n0: n0 + len(s.response_ids)].double())
         train_ev, held_ev = ridge_probe(torch.cat(feats), r, held)
         print(f"trunk={trunk} probe_train_ev={train_ev:.3f} probe_heldout_ev={held_ev:.3f}", flush=True)
-    if a.fit_steps:
+    if a.fit_steps or a.prm_synthetic:
+        critic = load_critic(([a.fit_trunk] if a.fit_trunk else [t for t in a.trunks.split(",") if t] or [a.policy])[0])
+        if a.prm_synthetic:
+            fit_prm(critic, tok, a.prm_problems, a.prm_synthetic, a.prm_steps, a.fit_lr, a.seed)
         ns = [n for _, _, _, n in samples]
         per_sample = list(torch.split(v, ns)) if a.fit_target == "oracle" else None
-        fit_critic(([a.fit_trunk] if a.fit_trunk else [t for t in a.trunks.split(",") if t] or [a.policy])[0],
-                   [(s.prompt_ids, s.response_ids, ret) for s, (_, _, ret, _) in zip(out, samples)],
-                   [s.index % 5 == 0 for s in out], a.fit_steps, lr=a.fit_lr,
-                   token_targets=[x.tolist() for x in per_sample] if per_sample else None)
+        fit_critic(critic, [(s.prompt_ids, s.response_ids, ret) for s, (_, _, ret, _) in zip(out, samples)],
+                   [s.index % 5 == 0 for s in out], a.fit_steps, lr=a.fit_lr, report_every=a.report_every,
+                   token_targets=[x.tolist() for x in per_sample] if per_sample else None,
+                   report_start=bool(a.prm_synthetic))
 
+
+def fit_prm(critic, tok, problems: str, p: float, steps: int, lr: float, seed: int) -> None:
+    """Fit `critic` to `prm_token_targets` of one `noisy_cot` per problem row of `problems` (a
+    fifth of the rows held out), the byte-level tokenizer's ids plus EOS; reports 4 times."""
+    import random
+
+    from megarl.data.templates import apply_template
+    from megarl.tasks.arith import cot_response
+
+    if not problems:
+        raise SystemExit("--prm-synthetic needs --prm-problems (arith rows with a 'problem' field)")
+    rng, seqs, targets = random.Random(seed), [], []
+    for line in Path(problems).read_text().splitlines():
+        x, y = map(int, json.loads(line)["problem"].split("+"))
+        text, ref = noisy_cot(x, y, p, rng), cot_response(x, y)
+        ret = score(text, x + y)
+        ids = tok.encode(text) + [tok.eos_token_id]
+        seqs.append((tok.encode(apply_template("arith", f"{x}+{y}")), ids, ret))
+        targets.append(prm_token_targets(text, ref, ret, len(ids)))
+    print(f"prm: {len(seqs)} synthetic chains (p={p}), accuracy {sum(r > 0 for *_, r in seqs) / len(seqs):.3f}",
+          flush=True)
+    fit_critic(critic, seqs, [i % 5 == 0 for i in range(len(seqs))], steps, lr=lr, report_every=max(1, steps // 4),
+               token_targets=targets, tag="prm fit")
 
 if __name__ == "__main__":
     main()

@@ -58,7 +58,7 @@ def test_fit_critic_learns_a_return_decided_by_the_first_response_token(tmp_path
         first = int(torch.randint(10, 20, (1,), generator=g))
         rest = torch.randint(30, 60, (5,), generator=g).tolist()
         seqs.append(([1, 2, 3], [first, *rest], 1.0 if first < 15 else -1.0))
-    log = P.fit_critic(str(tmp_path), seqs, [i % 5 == 0 for i in range(200)], steps=150, lr=3e-3,
+    log = P.fit_critic(P.load_critic(str(tmp_path)), seqs, [i % 5 == 0 for i in range(200)], steps=150, lr=3e-3,
                        batch=32, report_every=150)
     # tokens 1-5 (5 of 6) see the deciding token: EV ~ 5/6 for a perfect fit
     assert log[-1]["heldout_ev"] > 0.6
@@ -80,7 +80,7 @@ def test_fit_critic_regresses_to_given_token_targets(tmp_path):
             resp[at] = 7  # the "error" token, visible to every later position
         seqs.append(([1, 2, 3], resp, -1.0 if bad else 1.0))
         targets.append([-1.0 if bad and t > at else 0.0 for t in range(6)])
-    log = P.fit_critic(str(tmp_path), seqs, [i % 5 == 0 for i in range(200)], steps=200, lr=3e-3,
+    log = P.fit_critic(P.load_critic(str(tmp_path)), seqs, [i % 5 == 0 for i in range(200)], steps=200, lr=3e-3,
                        batch=32, report_every=200, token_targets=targets)
     assert log[-1]["heldout_target_ev"] > 0.8
     assert log[-1]["heldout_ev"] < log[-1]["heldout_target_ev"]  # the returns also vary before the marker
@@ -117,3 +117,24 @@ def test_score_reads_the_last_line():
 def test_true_values_need_two_continuations():
     with pytest.raises(ValueError, match="--mc-continuations must be >= 2"):
         P.mc_true_values(None, None, [], [], [], k=1, stride=1, temperature=1.0, seed=0)
+
+
+def test_noisy_cot_is_the_reference_without_noise_and_propagates_its_errors():
+    import random
+
+    from megarl.tasks.arith import cot_response
+
+    rng = random.Random(0)
+    assert P.noisy_cot(347, 85, 0.0, rng) == cot_response(347, 85)
+    for _ in range(50):
+        lines = P.noisy_cot(958, 467, 1.0, rng).split("\n")
+        # every operand digit misread
+        assert all(ln[0] != ref for ln, ref in zip(lines, "859")) and all(ln[2] != ref for ln, ref in zip(lines, "764"))
+        for prev, cur in zip(lines[:2], lines[1:3]):  # the carry is the written sum's tens digit
+            assert int(cur.split("=")[0].split("+")[2]) == int(prev.split("=")[1].split(" ")[0]) // 10
+
+
+def test_prm_token_targets_by_hand():
+    # the departure is at character 2; the state before token t sees characters < t: tokens 3+ see it
+    assert P.prm_token_targets("4+9", "4+8", -1.0, 5) == [1.0, 1.0, 1.0, -1.0, -1.0]
+    assert P.prm_token_targets("4+8", "4+8", 1.0, 4) == [1.0] * 4
