@@ -336,9 +336,15 @@ def fit_prm(critic, tok, problems: str, p: float, steps: int, lr: float, seed: i
 
     if not problems:
         raise SystemExit("--prm-synthetic needs --prm-problems (arith rows with a 'problem' field)")
+    pairs = []
+    for n, line in enumerate(Path(problems).read_text().splitlines(), 1):
+        try:
+            x, y = map(int, json.loads(line)["problem"].split("+"))
+            pairs.append((x, y))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise SystemExit(f"{problems}:{n}: not an arith row with 'problem': '<a>+<b>' ({e!r})") from None
     rng, seqs, targets = random.Random(seed), [], []
-    for line in Path(problems).read_text().splitlines():
-        x, y = map(int, json.loads(line)["problem"].split("+"))
+    for x, y in pairs:
         text, ref = noisy_cot(x, y, p, rng), cot_response(x, y)
         ret = score(text, x + y)
         ids = tok.encode(text) + [tok.eos_token_id]
@@ -348,6 +354,7 @@ def fit_prm(critic, tok, problems: str, p: float, steps: int, lr: float, seed: i
           flush=True)
     fit_critic(critic, seqs, [i % 5 == 0 for i in range(len(seqs))], steps, lr=lr, report_every=max(1, steps // 4),
                token_targets=targets, tag="prm fit")
+
 
 if __name__ == "__main__":
     main()

@@ -138,3 +138,10 @@ def test_prm_token_targets_by_hand():
     # the departure is at character 2; the state before token t sees characters < t: tokens 3+ see it
     assert P.prm_token_targets("4+9", "4+8", -1.0, 5) == [1.0, 1.0, 1.0, -1.0, -1.0]
     assert P.prm_token_targets("4+8", "4+8", 1.0, 4) == [1.0] * 4
+
+
+def test_prm_problems_name_a_bad_row(tmp_path):
+    rows = tmp_path / "sft.jsonl"
+    rows.write_text('{"problem": "12+34"}\n{"question": "1+2"}\n')
+    with pytest.raises(SystemExit, match=r"sft.jsonl:2: not an arith row"):
+        P.fit_prm(None, None, str(rows), 0.03, steps=1, lr=1e-3, seed=0)
