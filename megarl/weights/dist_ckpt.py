@@ -67,6 +67,9 @@ def save_megatron_checkpoint(model_chunks, ckpt_dir: str | Path, hf_config: Any,
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
+    from megarl.weights.threaded_writer import use_threaded_writers
+
+    use_threaded_writers()  # also for the optimizer save that follows (megarl.trainer.train_model.save)
     ckpt_dir = Path(ckpt_dir)
     chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     model = unwrap(chunks[0])

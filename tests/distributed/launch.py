@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
+
+import psutil
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,7 +32,19 @@ def run_torchrun(script: str | Path, nproc: int, args: list[str], out_json: Path
         "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
         str(script), "--out", str(out_json), *args,
     ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        # torchrun starts each worker in a session of its own: killing torchrun alone would leave
+        # the workers running (and holding the CPU) for the rest of the test session
+        for p in [*psutil.Process(proc.pid).children(recursive=True), proc]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"torchrun {script} timed out after {timeout} s; killed it and its workers:\n"
+                             f"{(stdout + stderr)[-3000:]}") from None
+    proc = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     if proc.returncode != 0:
         text = proc.stdout + proc.stderr
         first = text.find("Traceback")
