@@ -44,9 +44,8 @@ def run_torchrun(script: str | Path, nproc: int, args: list[str], out_json: Path
         stdout, stderr = proc.communicate()
         raise AssertionError(f"torchrun {script} timed out after {timeout} s; killed it and its workers:\n"
                              f"{(stdout + stderr)[-3000:]}") from None
-    proc = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     if proc.returncode != 0:
-        text = proc.stdout + proc.stderr
+        text = stdout + stderr
         first = text.find("Traceback")
         head = text[first : first + 5000] if first >= 0 else ""
         raise AssertionError(f"torchrun {script} failed (rc={proc.returncode}):\n{head}\n...\n{text[-2000:]}")
