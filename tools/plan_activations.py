@@ -11,21 +11,27 @@ masks dropped (Qwen uses dropout 0):
                             + 6*f            (gated FC1 output 2f, FC2 input f; bf16)
                             + C              (core attention: 5*a*S_seq for unfused attention as in
                                               Korthikanti, over the whole sequence's keys; 4*a
-                                              (fp32 log-sum-exp) for flash attention; 4*a*d + 4*a
-                                              (fp32 output and log-sum-exp) for megarl's local
-                                              attention; 0 with selective recompute)
+                                              (fp32 log-sum-exp) for flash attention; for megarl's
+                                              local attention 2*a*d + 4*a (bf16 output and fp32
+                                              log-sum-exp of torch's varlen flash kernel, bf16/fp16
+                                              models) or 4*a*d + 4*a (fp32 output and log-sum-exp of
+                                              the blockwise path, fp32 models); 0 with selective
+                                              recompute)
     bytes = s * (R + S/TP) without SP, s * (R + S)/TP with SP.
     full recompute keeps only each chunk's input (2h per token, /TP with SP) plus one chunk
     being recomputed; 1F1B keeps PP micro-batches in flight on the first stage
     (PP * (1 + (PP-1)/(PP*VPP)) with interleaving).
 CP K/V exchange, B = max_tokens_per_microbatch (the whole packed row), e = 2 bytes (4 in fp32):
-    megarl's local attention (transformer_impl local) all-gathers every layer's K and V:
-    2 * B * (g/TP) * d * e per layer, kept for the backward like an activation (transient, one
-    layer's worth, with selective recompute); TE's ring p2p (other impls) keeps about two K/V
-    chunks in flight: 2 * 2 * (B/CP) * (g/TP) * d * e, transient.
-attention workspace (local attention only): fp32 scores, probabilities, dP, dS of one block of
-    queries over the sequence's keys, 16 * block * S_seq * a/TP bytes, transient (block: 16 to 512
-    queries, sized by the attention to keep one block's scores near 32 MiB).
+    megarl's local attention (transformer_impl local) all-gathers every layer's K and V,
+    2 * B * (g/TP) * d * e per layer; the blockwise path (fp32) keeps that for the backward, the
+    varlen path (bf16/fp16) keeps the keys of each local chunk's prefix instead, (2CP+1)/(2CP)
+    times as many rows, and the gathered K/V is transient; with selective recompute nothing is
+    kept (one layer's worth, transient). TE's ring p2p (other impls) keeps about two K/V chunks in
+    flight: 2 * 2 * (B/CP) * (g/TP) * d * e, transient.
+attention workspace (local attention, blockwise path only): fp32 scores, probabilities, dP, dS of
+    one block of queries over the sequence's keys, 16 * block * S_seq * a/TP bytes, transient
+    (block: 16 to 512 queries, sized by the attention to keep one block's scores near 32 MiB); the
+    varlen flash kernel keeps its blocks on chip (0).
 logits (last stage, actor): log-probs and entropy run over chunks of c = model.logprob_chunk_tokens
     tokens: s * V/TP * 4 (bf16 logits + their bf16 gradient) + min(c, s) * V/TP * 12 (one
     chunk's fp32 logits, softmax and gradient), never fp32 logits of the whole micro-batch.
@@ -71,15 +77,22 @@ if TYPE_CHECKING:
 GIB = 1024**3
 
 
-LOCAL_SCORE_BLOCK_BYTES = 32 << 20  # megarl.models.attention.SCORE_BLOCK_BYTES: one query block's fp32 scores
+LOCAL_SCORE_BLOCK_BYTES = 32 << 20  # megarl.models.attention_blockwise.SCORE_BLOCK_BYTES: one query block's fp32 scores
+
+
+def local_varlen(cfg: MegaRLConfig) -> bool:
+    """Whether megarl's local attention runs torch's varlen flash kernel on the cluster's GPUs (a
+    bf16 / fp16 model; fp32 runs the blockwise path): megarl.models.attention_kernels.select_kernel."""
+    return cfg.model.transformer_impl == "local" and cfg.model.dtype != "fp32"
 
 
 def core_attention_bytes_per_token(arch: Arch, cfg: MegaRLConfig, seq_len: float) -> float:
     """Bytes per token and layer (before TP sharding) the core attention keeps for its backward.
 
     selective recompute: 0 (the core attention is recomputed). megarl's local attention
-    (transformer_impl local): the float32 output and log-sum-exp it saves, 4*a*d + 4*a. Unfused
-    attention (attention_backend unfused / local under TE): Korthikanti's 5*a*s over the keys of
+    (transformer_impl local): the varlen kernel's bf16 output and fp32 log-sum-exp, 2*a*d + 4*a,
+    or the blockwise path's float32 output and log-sum-exp, 4*a*d + 4*a (fp32 models). Unfused
+    attention (attention_backend unfused under TE; `local` is refused there): Korthikanti's 5*a*s over the keys of
     the sequence (s = seq_len, the whole sequence also under CP). Flash / fused: 4*a (log-sum-exp).
     """
     m = cfg.model
@@ -87,8 +100,8 @@ def core_attention_bytes_per_token(arch: Arch, cfg: MegaRLConfig, seq_len: float
     if m.recompute == "selective":
         return 0.0
     if m.transformer_impl == "local":
-        return 4.0 * a * d + 4.0 * a
-    if m.attention_backend in ("unfused", "local"):
+        return (2.0 if local_varlen(cfg) else 4.0) * a * d + 4.0 * a
+    if m.attention_backend == "unfused":
         return 5.0 * a * seq_len
     return 4.0 * a
 
@@ -130,11 +143,12 @@ def cp_kv_exchange_bytes(arch: Arch, cfg: MegaRLConfig, tokens: int) -> tuple[fl
     micro-batch of ``tokens`` tokens (all CP ranks together); (0, 0) at CP = 1.
 
     megarl's local attention all-gathers every layer's K and V: full-sequence K and V of the
-    local KV heads, 2 * tokens * (g/TP) * d * bytes, kept for the backward (with selective
-    recompute they are gathered again in the backward: one layer's worth, transient).
-    TE (model.cp_comm_type): ring p2p (and a2a, a2a+p2p: re-sharded or chunked the same way)
-    keeps about two K/V chunks in flight during a layer, 2 * 2 * (tokens/CP) * (g/TP) * d * bytes;
-    allgather holds the full-sequence K/V of the layer, 2 * tokens * (g/TP) * d * bytes; transient.
+    local KV heads, 2 * tokens * (g/TP) * d * bytes, kept for the backward by the blockwise path;
+    the varlen path keeps its chunks' prefix keys, (2CP+1)/(2CP) times that, and the gathered
+    copy is transient (with selective recompute nothing is kept: one layer's worth, transient).
+    TE (model.cp_comm_type p2p, or a2a: re-sharded the same way) keeps about two K/V chunks in
+    flight during a layer, 2 * 2 * (tokens/CP) * (g/TP) * d * bytes, transient (TE's other CP
+    communication types refuse packed batches, and megarl's config refuses them).
     """
     p, m = cfg.parallel, cfg.model
     if p.cp == 1:
@@ -143,20 +157,21 @@ def cp_kv_exchange_bytes(arch: Arch, cfg: MegaRLConfig, tokens: int) -> tuple[fl
     kv_heads = arch.kv_heads / p.tp
     if m.transformer_impl == "local":
         full = 2.0 * tokens * kv_heads * arch.head_dim * element
-        return (0.0, full) if m.recompute == "selective" else (full, 0.0)
-    if m.cp_comm_type == "allgather":  # TE gathers the full-sequence K/V during the layer
-        return 0.0, 2.0 * tokens * kv_heads * arch.head_dim * element
+        if not local_varlen(cfg):
+            return (0.0, full) if m.recompute == "selective" else (full, 0.0)
+        prefixes = full * (2 * p.cp + 1) / (2 * p.cp)
+        return (0.0, full + prefixes) if m.recompute == "selective" else (prefixes, full)
     return 0.0, 2.0 * 2.0 * tokens / p.cp * kv_heads * arch.head_dim * element
 
 
 def attention_workspace_bytes(arch: Arch, cfg: MegaRLConfig, row_tokens: float, seq_len: float) -> float:
     """Transient bytes of megarl's local attention for one query block: float32 scores,
     probabilities, dP and dS (4 x 4 bytes) of `block` queries x seq_len keys x a/TP heads, where the
-    attention picks (megarl.models.attention.query_block_size) block = clamp(min(
+    attention picks (megarl.models.attention_blockwise.query_block_size) block = clamp(min(
     LOCAL_SCORE_BLOCK_BYTES / (4 * a/TP * span), max(64, seq_len)), 16, 512) with the key span
     min(row_tokens, seq_len + 512) at CP 1, min(row_tokens, 2 * seq_len + 512 * CP) under CP;
-    flash / fused kernels keep theirs in on-chip memory (0)."""
-    if cfg.model.transformer_impl != "local":
+    flash / fused kernels (the varlen path included) keep theirs in on-chip memory (0)."""
+    if cfg.model.transformer_impl != "local" or local_varlen(cfg):
         return 0.0
     heads = arch.heads / cfg.parallel.tp
     cp = cfg.parallel.cp

@@ -1,5 +1,5 @@
-"""megarl's local core attention: packed variable-length sequences, context parallelism, and memory
-linear in the sequence length, on any device (CPU with gloo, GPU with NCCL).
+"""megarl's local core attention: packed variable-length sequences and context parallelism on any
+device (CPU with gloo, GPU with NCCL), with the fastest kernel each place has.
 
 It replaces megatron's `DotProductAttention` in the local layer spec. megatron's module builds a
 [b, heads, s, s] score tensor for the whole row and refuses both packed sequences and CP; this one
@@ -10,22 +10,28 @@ It replaces megatron's `DotProductAttention` in the local layer spec. megatron's
 - under CP, each rank holds chunks r and 2*CP-1-r of every sequence (load balancing, as in
   megatron/TE: `cp_shard_index`). K and V are all-gathered over the CP group and put back in
   sequence order; the backward reduce-scatters dK/dV to the ranks that own those tokens;
-- computes attention block by block over the queries (`blockwise_attention`): the forward keeps
-  only the output and the log-sum-exp, the backward recomputes each block's probabilities (the
-  FlashAttention recurrences, in plain torch), so no [s, s] tensor ever exists.
+- runs one of three kernels (`megarl.models.attention_kernels`): torch's FlashAttention varlen
+  kernel on CUDA in bf16/fp16 (CP included), `scaled_dot_product_attention` on padded groups of
+  similar length elsewhere at CP = 1, and the plain-torch blockwise recurrences
+  (`megarl.models.attention_blockwise`) for CP on CPU or fp32.
 
-RoPE needs nothing from here: megatron applies it per sequence and per CP chunk from the same
-`cu_seqlens` (`rope_utils._apply_rotary_pos_emb_thd`).
+`thd_params` builds the `PackedSeqParams` of a packed row once per micro-batch with host copies
+of its boundaries, so the layers derive their kernel arguments once and never read them back from
+the GPU. RoPE needs nothing from here: megatron applies it per sequence and per CP chunk from the
+same `cu_seqlens` (`rope_utils._apply_rotary_pos_emb_thd`).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from megatron.core.packed_seq_params import PackedSeqParams
 
-SCORE_BLOCK_BYTES = 32 << 20  # float32 scores of one query block: heads x block x keys x 4 bytes
+from megarl.models import attention_kernels as kernels
+from megarl.models.attention_blockwise import blockwise_attention
 
 
 def cp_shard_index(cu_seqlens: list[int], cp_size: int, cp_rank: int) -> torch.Tensor:
@@ -50,108 +56,58 @@ def sequence_coords(cu_seqlens: list[int], device=None) -> tuple[torch.Tensor, t
     return seq, pos
 
 
-def _block_scores(q, k, scale, q_seq, q_pos, k_seq, k_pos):
-    """Masked scores [g, r, nq, nk] (float32) of queries q [nq, g, r, d] against keys k [nk, g, d]:
-    a query sees the keys of its own sequence at positions <= its own."""
-    s = torch.einsum("qgrd,kgd->grqk", q.float(), k.float()) * scale
-    visible = (q_seq[:, None] == k_seq[None, :]) & (k_pos[None, :] <= q_pos[:, None])
-    return s.masked_fill(~visible, float("-inf"))
+@dataclass
+class PackedRow(PackedSeqParams):
+    """megatron's `PackedSeqParams` of one packed row plus the host copy of its boundaries and a
+    cache of what the attention layers derive from them (shared by every layer of a forward and
+    its backward)."""
+
+    cu_host: tuple[int, ...] = ()
+    cache: dict = field(default_factory=dict, repr=False, compare=False)
 
 
-def _key_ranges(q_seq, q_pos, k_seq, block):
-    """[(a, b, lo, hi)]: for the query block [a, b), the keys [lo, hi) that can be visible. Queries
-    and keys are in sequence order, so that is from the start of the first query's sequence to the
-    last query's own position."""
-    nq = q_seq.numel()
-    if nq == 0:
-        return []
-    starts = torch.searchsorted(k_seq, torch.arange(int(k_seq[-1]) + 1, device=k_seq.device))
-    a = torch.arange(0, nq, block, device=q_seq.device)
-    b = torch.clamp(a + block, max=nq)
-    lo = starts[q_seq[a]]
-    hi = starts[q_seq[b - 1]] + q_pos[b - 1] + 1
-    return list(zip(a.tolist(), b.tolist(), lo.tolist(), hi.tolist()))
+def thd_params(cu_seqlens: torch.Tensor | list[int], device=None, rope_on_host: bool = False) -> PackedRow:
+    """THD `PackedSeqParams` for padded sequence boundaries `cu_seqlens` (host list or tensor; the
+    int32 copy megatron reads goes to `device`, default the tensor's own device).
+
+    rope_on_host (models whose every core attention is `LocalAttention`): the "padded" boundaries
+    megatron's attention hands to its unfused THD RoPE are a host copy. That RoPE reads them back
+    with `.tolist()` for q and for k in every layer, which on a GPU is a device sync each time
+    (56 per forward of a 28-layer model, the CPU never more than a layer ahead of the GPU). TE's
+    attention reads those boundaries too and needs them on the device: leave it off for TE."""
+    if isinstance(cu_seqlens, torch.Tensor):
+        host = cu_seqlens.tolist()
+        device = cu_seqlens.device if device is None else device
+    else:
+        host = list(cu_seqlens)
+    cu = torch.tensor(host, dtype=torch.int32, device=device)
+    on_host = torch.tensor(host, dtype=torch.int32) if rope_on_host else None
+    longest = max((b - a for a, b in zip(host[:-1], host[1:])), default=0)
+    return PackedRow(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=on_host,
+                     cu_seqlens_kv_padded=on_host, max_seqlen_q=longest, max_seqlen_kv=longest, cu_host=tuple(host))
 
 
-class _BlockwiseAttention(torch.autograd.Function):
-    """softmax(q k^T * scale + mask) v with the FlashAttention forward/backward recurrences:
-
-        forward (per query block):  S = q k^T * scale (masked), lse = logsumexp(S), O = exp(S - lse) v
-        backward (per query block): P = exp(S - lse), dV += P^T dO, dP = dO v^T,
-                                    dS = P * (dP - rowsum(dO * O)), dq = dS k * scale, dK += dS^T q * scale
-
-    q: [nq, h, d], k, v: [nk, g, d] (h a multiple of g: grouped-query attention without copying
-    K/V); output [nq, h, d] in q's dtype. Only q, k, v, the output and lse are saved.
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, v, scale, q_seq, q_pos, k_seq, k_pos, block):
-        nq, h, d = q.shape
-        g = k.shape[1]
-        qg = q.view(nq, g, h // g, d)
-        out = q.new_empty(nq, g, h // g, v.shape[-1], dtype=torch.float32)
-        lse = q.new_empty(g, h // g, nq, dtype=torch.float32)
-        ranges = _key_ranges(q_seq, q_pos, k_seq, block)
-        for a, b, lo, hi in ranges:
-            s = _block_scores(qg[a:b], k[lo:hi], scale, q_seq[a:b], q_pos[a:b], k_seq[lo:hi], k_pos[lo:hi])
-            blk_lse = torch.logsumexp(s, dim=-1)
-            p = torch.exp(s - blk_lse[..., None])
-            out[a:b] = torch.einsum("grqk,kgd->qgrd", p, v[lo:hi].float())
-            lse[..., a:b] = blk_lse
-        ctx.save_for_backward(q, k, v, out, lse, q_seq, q_pos, k_seq, k_pos)
-        ctx.scale, ctx.ranges = scale, ranges
-        return out.view(nq, h, -1).to(q.dtype)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, out, lse, q_seq, q_pos, k_seq, k_pos = ctx.saved_tensors
-        nq, h, d = q.shape
-        g = k.shape[1]
-        qg = q.view(nq, g, h // g, d)
-        do = grad_out.reshape(nq, g, h // g, -1).float()
-        delta = (do * out).sum(-1)  # [nq, g, r] = rowsum(dO * O)
-        dq = q.new_zeros(nq, g, h // g, d, dtype=torch.float32)
-        dk = k.new_zeros(k.shape, dtype=torch.float32)
-        dv = v.new_zeros(v.shape, dtype=torch.float32)
-        for a, b, lo, hi in ctx.ranges:
-            s = _block_scores(qg[a:b], k[lo:hi], ctx.scale, q_seq[a:b], q_pos[a:b], k_seq[lo:hi], k_pos[lo:hi])
-            p = torch.exp(s - lse[..., a:b, None])  # [g, r, nq, nk]
-            dv[lo:hi] += torch.einsum("grqk,qgrd->kgd", p, do[a:b])
-            dp = torch.einsum("qgrd,kgd->grqk", do[a:b], v[lo:hi].float())
-            ds = p * (dp - delta[a:b].permute(1, 2, 0)[..., None])
-            dq[a:b] = torch.einsum("grqk,kgd->qgrd", ds, k[lo:hi].float()) * ctx.scale
-            dk[lo:hi] += torch.einsum("grqk,qgrd->kgd", ds, qg[a:b].float()) * ctx.scale
-        return (dq.view(nq, h, d).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
-                None, None, None, None, None, None)
+def runs_local_attention(model) -> bool:
+    """Whether every core attention of a model (chunk, possibly wrapped) is megarl's LocalAttention."""
+    found = [m for m in model.modules() if isinstance(m, LocalAttention)]
+    cores = [m for m in model.modules() if hasattr(m, "core_attention")]
+    return bool(found) and len(found) == len(cores)
 
 
-def query_block_size(heads: int, n_queries: int, n_keys: int, longest: int, on_gpu: bool = True) -> int:
-    """Queries per block: 16 to 512, at most max(64, longest) (a block's keys span its sequences,
-    so a long block over short sequences computes mostly masked scores), and one block's float32
-    scores, heads x block x key span x 4 bytes, near SCORE_BLOCK_BYTES.
-
-    On GPU the key span is what a block can reach: the longest sequence plus the keys of its own
-    queries; under CP (n_keys = CP x n_queries) a block that crosses into the next sequence can
-    also start at its first local chunk, past keys it holds no queries for: twice the longest plus
-    512 x CP. Sizing by the whole packed row made the number of blocks grow with the square of the
-    row's length and the pass launch-bound (0.5b shape, 16k-token rows of 2k sequences, H100:
-    36-query blocks, 21 s per step against 1.7 s at 4k tokens).
-    On CPU the span is the whole row, as before: the smaller blocks keep the scores in cache, which
-    is faster there (8 x 1k-token sequences, 14 heads, forward + backward: 73-query blocks 1.8x
-    faster than 390), and keeps CPU results bit-identical to earlier releases."""
-    cp = max(1, n_keys // max(1, n_queries))
-    span = min(n_keys, (1 if cp == 1 else 2) * longest + 512 * cp) if on_gpu else n_keys
-    return max(16, min(512, max(64, longest), SCORE_BLOCK_BYTES // (4 * heads * max(1, span))))
+def _row_boundaries(params) -> tuple[list[int], torch.Tensor, dict]:
+    """(host boundaries, int32 device boundaries, cache) of THD params from `thd_params` or from
+    elsewhere (then read back once and not cached). In megarl's rows every sequence already
+    includes its padding, so `cu_seqlens_q` is the padded boundaries."""
+    if isinstance(params, PackedRow) and params.cu_host:
+        return list(params.cu_host), params.cu_seqlens_q, params.cache
+    cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+    return cu.tolist(), cu, {}
 
 
-def blockwise_attention(q, k, v, scale, q_seq, q_pos, k_seq, k_pos, block: int | None = None):
-    """Causal attention of queries q [nq, h, d] at (sequence, position) (q_seq, q_pos) over keys /
-    values k, v [nk, g, d] at (k_seq, k_pos), keys in sequence order. Memory O(block * key span);
-    the default block is `query_block_size`."""
-    if block is None:
-        longest = int(k_pos.max()) + 1 if k_pos.numel() else 1
-        block = query_block_size(q.shape[1], q.shape[0], k.shape[0], longest, on_gpu=q.is_cuda)
-    return _BlockwiseAttention.apply(q, k, v, scale, q_seq, q_pos, k_seq, k_pos, block)
+def _cached(cache: dict, key, make):
+    if key not in cache:
+        cache[key] = make()
+    return cache[key]
 
 
 class _GatherFromCP(torch.autograd.Function):
@@ -211,26 +167,44 @@ class LocalAttention(torch.nn.Module):
         if attention_bias is not None:
             raise ValueError("megarl's local attention takes no attention bias")
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-            cu = packed_seq_params.cu_seqlens_q_padded
-            cu = (packed_seq_params.cu_seqlens_q if cu is None else cu).tolist()
-            out = self._thd(query, key, value, cu)
+            out = self._thd(query, key, value, packed_seq_params)
             return out.reshape(out.shape[0], -1)
         if self.cp_size > 1:
             raise ValueError("context parallelism needs packed (THD) inputs: pass packed_seq_params")
         s, b = query.shape[:2]  # BSHD: every batch row is one causal sequence
         flat = [t.transpose(0, 1).reshape(b * s, *t.shape[2:]) for t in (query, key, value)]
-        out = self._thd(*flat, [i * s for i in range(b + 1)])
+        out = self._thd(*flat, thd_params([i * s for i in range(b + 1)], device=query.device))
         return out.reshape(b, s, -1).transpose(0, 1).contiguous()
 
-    def _thd(self, q, k, v, cu_seqlens: list[int]):
+    def _thd(self, q, k, v, params):
         """q, k, v: this rank's tokens of the packed row (the full row when CP = 1)."""
-        seq, pos = sequence_coords(cu_seqlens, device=q.device)
+        cu, cu_dev, cache = _row_boundaries(params)
+        kernel = kernels.select_kernel(q.device.type, q.dtype, self.cp_size)
         if self.cp_size == 1:
+            if kernel == "varlen":
+                seg = _cached(cache, "varlen", lambda: kernels.self_segments(cu, cu_dev))
+                return kernels.varlen_attention(q, k, v, self.scale, seg)
+            if kernel == "sdpa":
+                groups, inverse = _cached(cache, "sdpa", lambda: kernels.padded_groups(cu, q.device))
+                return kernels.sdpa_attention(q, k, v, self.scale, groups, inverse)
+            seq, pos = _cached(cache, "coords", lambda: sequence_coords(cu, device=q.device))
             return blockwise_attention(q, k, v, self.scale, seq, pos, seq, pos)
-        order = torch.cat([cp_shard_index(cu_seqlens, self.cp_size, r) for r in range(self.cp_size)]).to(q.device)
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
+        inverse = _cached(cache, "cp_inverse", lambda: _cp_gather_inverse(cu, self.cp_size, q.device))
         k_full = gather_from_cp(k, self.cp_group)[inverse]  # back to sequence order
         v_full = gather_from_cp(v, self.cp_group)[inverse]
-        mine = cp_shard_index(cu_seqlens, self.cp_size, self.cp_rank).to(q.device)
+        if kernel == "varlen":
+            seg = _cached(cache, ("cp_varlen", self.cp_rank),
+                          lambda: kernels.cp_prefix_segments(cu, self.cp_size, self.cp_rank, q.device))
+            return kernels.varlen_attention(q, k_full, v_full, self.scale, seg)
+        seq, pos = _cached(cache, "coords", lambda: sequence_coords(cu, device=q.device))
+        mine = _cached(cache, ("cp_mine", self.cp_rank),
+                       lambda: cp_shard_index(cu, self.cp_size, self.cp_rank).to(q.device))
         return blockwise_attention(q, k_full, v_full, self.scale, seq[mine], pos[mine], seq, pos)
+
+
+def _cp_gather_inverse(cu: list[int], cp_size: int, device) -> torch.Tensor:
+    """The permutation that puts the CP ranks' gathered tokens (rank order) back in sequence order."""
+    order = torch.cat([cp_shard_index(cu, cp_size, r) for r in range(cp_size)])
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel())
+    return inverse.to(device)

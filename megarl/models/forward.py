@@ -36,7 +36,7 @@ def packed_forward(model_chunks, seqs: list[torch.Tensor], grad: bool = False) -
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    from megarl.models.attention import cp_shard_index, gather_from_cp
+    from megarl.models.attention import cp_shard_index, gather_from_cp, runs_local_attention, thd_params
     from megarl.models.builder import unwrap
     from megarl.models.value_head import ValueModel
     from megarl.parallel.distributed import device
@@ -49,9 +49,7 @@ def packed_forward(model_chunks, seqs: list[torch.Tensor], grad: bool = False) -
     mine = cp_shard_index(cu, cp, cp_rank) if cp > 1 else torch.arange(cu[-1])
     ids = row[:, mine].to(device())
     pos = torch.arange(cu[-1])[None, mine].to(device())
-    from megarl.trainer.train_model import thd_params
-
-    params = thd_params(torch.tensor(cu, dtype=torch.int32).to(device()))
+    params = thd_params(cu, device=device(), rope_on_host=runs_local_attention(chunks[0]))
 
     def step(data_iter, model):
         return model(next(data_iter), pos, None, packed_seq_params=params), None

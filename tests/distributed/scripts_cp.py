@@ -80,7 +80,7 @@ def run_layout(cfg, hf_config, tp, pp, cp) -> dict:
 def chunked_views(cfg, hf_config) -> dict:
     """CP=1, world of 4 as DP: response views at chunk sizes 1, 3 and 4096 on the same logits."""
     from megarl.trainer.batch import build_microbatch
-    from megarl.trainer.train_model import thd_params
+    from megarl.models.attention import thd_params
     from megarl.weights import load_hf_weights
 
     init_distributed(ParallelSizes(), seed=3)

@@ -32,10 +32,11 @@ def entropy_and_whitening(cfg, batch, dp) -> dict:
 
     seq_cfg = dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, loss_agg="seq-mean-token-mean"))
     mb = build_microbatch(batch, list(range(len(batch)))).to(device())
-    logits = torch.randn(*mb.input_ids.shape, 97, generator=torch.Generator().manual_seed(2)).to(device())
+    # 128 columns: every token id of the batch (< 100) is a class of the vocabulary
+    logits = torch.randn(*mb.input_ids.shape, 128, generator=torch.Generator().manual_seed(2)).to(device())
     counts = ppo.global_counts(batch, list(range(len(batch))), dp, batch.loss_mask)
     _, logs = ppo.actor_loss_fn(seq_cfg, counts, 1.0)(mb, logits)
-    ent = torch.distributions.Categorical(logits=logits.cpu().reshape(-1, 97)).entropy()
+    ent = torch.distributions.Categorical(logits=logits.cpu().reshape(-1, 128)).entropy()
     per_tok = ent.reshape(-1)[mb.resp_index.cpu()] * batch.response_mask
     m = batch.loss_mask
     expected_seq_mean = float(((per_tok * m).sum(-1) / m.sum(-1)).mean())
@@ -63,7 +64,8 @@ def main(model_dir: str, out: str) -> None:
     from megarl.trainer import ppo
     from megarl.trainer.batch import StepBatch, Trajectory, build_microbatch
     from megarl.trainer.build import load_hf_config_and_tokenizer
-    from megarl.trainer.train_model import TrainModel, thd_params
+    from megarl.models.attention import thd_params
+    from megarl.trainer.train_model import TrainModel
     from megarl.weights import load_hf_weights, stream_hf_weights
 
     cpu_runtime.activate(strict=True)

@@ -66,7 +66,7 @@ def megatron_grads(model, cfg, batch) -> dict:
     ids, pv, grid, _ = batch
     pos, _ = mrope_position_ids(ids, grid, 150, 2)
     row, pos, cu = pack_rows(ids, pos)
-    from megarl.trainer.train_model import thd_params
+    from megarl.models.attention import thd_params
 
     chunk = model[0]
     out = chunk(row.to(device()), pos.to(device()), None, packed_seq_params=thd_params(torch.tensor(cu).to(device())),

@@ -148,7 +148,7 @@ def megatron_grads(model, cfg, batch) -> dict:
     from megarl.models.vision.forward import pack_rows
     from megarl.models.vision.mrope import mrope_position_ids
     from megarl.parallel.distributed import device
-    from megarl.trainer.train_model import thd_params
+    from megarl.models.attention import thd_params
     from megarl.weights import stream_hf_weights
 
     ids, pv, grid, _ = batch

@@ -1,13 +1,15 @@
 """megarl.models.attention against a dense reference: softmax(q k^T * scale + block-causal mask) v
 built as one [h, s, s] matrix in float64, forward and gradients."""
 
+import inspect
 import math
 
 import pytest
 import torch
 
-from megarl.models.attention import (SCORE_BLOCK_BYTES, _key_ranges, blockwise_attention, cp_shard_index,
-                                    query_block_size, sequence_coords)
+from megarl.models import attention_kernels as kernels
+from megarl.models.attention import cp_shard_index, sequence_coords
+from megarl.models.attention_blockwise import SCORE_BLOCK_BYTES, _key_ranges, blockwise_attention, query_block_size
 
 
 def dense_attention(q, k, v, scale, cu):
@@ -98,3 +100,151 @@ def test_every_block_stays_inside_the_span_it_was_sized_for(cp):
             spans = [hi - lo for _, _, lo, hi in _key_ranges(seq[mine], pos[mine], seq, block)]
             assert max(spans) <= (1 if cp == 1 else 2) * max(lengths) + block * cp
     assert SCORE_BLOCK_BYTES == 32 << 20
+
+
+# ---- the faster kernels (megarl.models.attention_kernels) against the blockwise reference ----
+
+def _packed(lengths, heads, groups, d=8, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    t = cu[-1]
+    mk = lambda h: torch.randn(t, h, d, generator=g, dtype=torch.float32).to(dtype).requires_grad_(True)
+    return cu, mk(heads), mk(groups), mk(groups)
+
+
+@pytest.mark.parametrize("lengths,heads,groups", [
+    ([7], 4, 4),
+    ([5, 11, 1, 9, 64, 3, 3], 6, 2),        # GQA, one-token sequences, several length groups
+    ([90, 61, 75, 110, 60, 88, 99], 2, 1),  # the quickstart's shape: one padded group
+])
+def test_sdpa_groups_equal_blockwise_within_1e_6(lengths, heads, groups):
+    cu, q, k, v = _packed(lengths, heads, groups)
+    seq, pos = sequence_coords(cu)
+    ref = blockwise_attention(q, k, v, 0.3, seq, pos, seq, pos)
+    grps, inverse = kernels.padded_groups(cu)
+    out = kernels.sdpa_attention(q, k, v, 0.3, grps, inverse)
+    assert (out - ref).abs().max() < 1e-6
+    w = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad((out * w).sum(), (q, k, v)), torch.autograd.grad((ref * w).sum(), (q, k, v))):
+        assert (a - b).abs().max() < 1e-6 * max(1.0, b.abs().max().item())
+
+
+def test_length_groups_cover_every_sequence_once_within_the_padding_bound():
+    g = torch.Generator().manual_seed(3)
+    for _ in range(50):
+        lengths = torch.randint(0, 300, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
+        groups = kernels.length_groups(lengths)
+        flat = sorted(i for grp in groups for i in grp)
+        assert flat == [i for i, n in enumerate(lengths) if n > 0]
+        for grp in groups:
+            assert len(grp) * max(lengths[i] for i in grp) <= kernels.SDPA_MAX_PADDING * sum(lengths[i] for i in grp)
+    assert kernels.length_groups([100, 1, 98, 0, 2, 3]) == [[0, 2, 5, 4], [1]]  # 5 x 100 > 2 x 204
+
+
+@pytest.mark.parametrize("device,dtype,cp,has_varlen,expected", [
+    ("cuda", torch.bfloat16, 1, True, "varlen"),
+    ("cuda", torch.float16, 2, True, "varlen"),
+    ("cuda", torch.float32, 1, True, "sdpa"),      # flash kernels take no fp32
+    ("cuda", torch.float32, 2, True, "blockwise"),
+    ("cuda", torch.bfloat16, 1, False, "sdpa"),    # a torch without the varlen module
+    ("cpu", torch.bfloat16, 1, True, "sdpa"),
+    ("cpu", torch.float32, 2, True, "blockwise"),
+])
+def test_kernel_selection(device, dtype, cp, has_varlen, expected):
+    assert kernels.select_kernel(device, dtype, cp, has_varlen=has_varlen, cuda_runtime=True) == expected
+
+
+def test_strict_device_tensors_are_not_a_gpu():
+    """The CPU runtime's strict device mode tags host tensors "cuda": they get the host kernels."""
+    assert kernels.select_kernel("cuda", torch.bfloat16, 1, has_varlen=True, cuda_runtime=False) == "sdpa"
+    assert kernels.select_kernel("cuda", torch.bfloat16, 2, has_varlen=True, cuda_runtime=False) == "blockwise"
+
+
+def test_a_forced_kernel_that_cannot_run_here_is_refused():
+    with pytest.raises(ValueError, match="varlen.*needs CUDA"):
+        kernels.select_kernel("cpu", torch.bfloat16, 1, forced="varlen", has_varlen=True, cuda_runtime=True)
+    with pytest.raises(ValueError, match="cp=1"):
+        kernels.select_kernel("cpu", torch.float32, 2, forced="sdpa")
+    with pytest.raises(ValueError, match="unknown attention kernel"):
+        with kernels.forced_kernel("flash"):
+            pass
+    with kernels.forced_kernel("blockwise"):
+        assert kernels.select_kernel("cuda", torch.bfloat16, 1, has_varlen=True, cuda_runtime=True) == "blockwise"
+    assert kernels.select_kernel("cuda", torch.bfloat16, 1, has_varlen=True, cuda_runtime=True) == "varlen"
+
+
+def test_varlen_arguments_for_each_torch_signature():
+    d = 64
+    scale = d ** -0.5
+    # torch 2.10: is_causal, no scale / enable_gqa -> K/V repeated, default scale only
+    kw, rep = kernels.varlen_kwargs({"is_causal": None}, 14, 2, scale, d)
+    assert kw == {"is_causal": True} and rep
+    with pytest.raises(RuntimeError, match="no scale argument"):
+        kernels.varlen_kwargs({"is_causal": None}, 14, 2, 0.5, d)
+    # torch 2.11-style window_size with scale but no GQA flag
+    kw, rep = kernels.varlen_kwargs({"window_size": None, "scale": None}, 14, 2, 0.5, d)
+    assert kw == {"window_size": (-1, 0), "scale": 0.5} and rep
+    # torch 2.13 (this machine's): everything
+    params = inspect.signature(kernels.varlen_function()).parameters
+    kw, rep = kernels.varlen_kwargs(params, 14, 2, 0.5, d)
+    assert kw == {"window_size": (-1, 0), "scale": 0.5, "enable_gqa": True} and not rep
+    kw, rep = kernels.varlen_kwargs(params, 4, 4, 0.5, d)
+    assert kw == {"window_size": (-1, 0), "scale": 0.5} and not rep
+
+
+def reference_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, window_size=(-1, -1), scale=None,
+                     enable_gqa=False, **_):
+    """torch's documented varlen_attn semantics in float64: per segment, the causal mask aligned to
+    the bottom right (query i sees key j <= i + len_k - len_q); GQA head n reads group n // (h/g)."""
+    assert window_size == (-1, 0)
+    h, g = query.shape[1], key.shape[1]
+    assert enable_gqa or h == g
+    out = torch.zeros(query.shape, dtype=torch.float64)
+    cq, ck = cu_seq_q.tolist(), cu_seq_k.tolist()
+    for qs, qe, ks, ke in zip(cq[:-1], cq[1:], ck[:-1], ck[1:]):
+        q = query[qs:qe].double()
+        k = key[ks:ke].double().repeat_interleave(h // g, dim=1)
+        v = value[ks:ke].double().repeat_interleave(h // g, dim=1)
+        s = torch.einsum("qhd,khd->hqk", q, k) * scale
+        i, j = torch.arange(qe - qs)[:, None], torch.arange(ke - ks)[None, :]
+        p = torch.softmax(s.masked_fill(j > i + (ke - ks) - (qe - qs), float("-inf")), dim=-1)
+        out[qs:qe] = torch.einsum("hqk,khd->qhd", p, v)
+    return out
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3])
+def test_varlen_arguments_give_each_cp_rank_its_rows_of_the_full_attention(cp):
+    """The segments built for a CP rank (chunks r and 2*CP-1-r over their prefixes), passed with
+    the arguments varlen_attention builds, give exactly that rank's rows of the attention over the
+    whole row; checked with a float64 stand-in for the kernel with its documented semantics."""
+    lengths = [2 * cp * n for n in (3, 1, 5, 2)]
+    cu, q, k, v = _packed(lengths, 6, 2, d=16, dtype=torch.bfloat16, seed=cp)
+    ref = dense_attention(q, k, v, 0.25, cu)
+    for r in range(cp):
+        mine = cp_shard_index(cu, cp, r) if cp > 1 else torch.arange(cu[-1])
+        seg = kernels.cp_prefix_segments(cu, cp, r) if cp > 1 else kernels.self_segments(cu)
+        out = kernels.varlen_attention(q[mine], k, v, 0.25, seg, fn=reference_varlen)
+        assert torch.allclose(out, ref[mine], atol=1e-12)
+
+
+def test_varlen_input_contract():
+    cu = [0, 16, 48]
+    seg = kernels.self_segments(cu)
+    ok = lambda h, d=64, dtype=torch.bfloat16: torch.zeros(48, h, d, dtype=dtype)
+    kernels.check_varlen_inputs(ok(14), ok(2), ok(2), seg)
+    with pytest.raises(TypeError, match="bf16/fp16"):
+        kernels.check_varlen_inputs(ok(14, dtype=torch.float32), ok(2), ok(2), seg)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        kernels.check_varlen_inputs(ok(14, 12), ok(2, 12), ok(2, 12), seg)
+    with pytest.raises(ValueError, match="multiple of the key/value heads"):
+        kernels.check_varlen_inputs(ok(14), ok(3), ok(3), seg)
+    with pytest.raises(ValueError, match="must be int32"):
+        kernels.check_varlen_inputs(ok(14), ok(2), ok(2), kernels.VarlenSegments(
+            cu, cu, torch.tensor(cu), torch.tensor(cu, dtype=torch.int32), 32, 32))
+    with pytest.raises(ValueError, match="rise from 0 to 48"):
+        kernels.check_varlen_inputs(ok(14), ok(2), ok(2), kernels.self_segments([0, 16, 40]))
+    with pytest.raises(ValueError, match="max_q=16 is not the longest"):
+        kernels.check_varlen_inputs(ok(14), ok(2), ok(2), kernels.VarlenSegments(
+            cu, cu, seg.cu_q_dev, seg.cu_k_dev, 16, 32))

@@ -172,34 +172,52 @@ def test_cp_divides_activations_per_rank(cp):
     assert acts["total"] == pytest.approx(one["total"] / cp, rel=0.1)  # ~1/CP; the one log-prob chunk does not shrink
 
 
-def test_te_allgather_cp_holds_the_full_sequence_kv():
+def test_te_ring_cp_keeps_two_kv_chunks_in_flight():
     B, cp = 65536, 4
     p2p = plan.activation_bytes(QWEN32, long_cfg(f"parallel.cp={cp}", f"actor.max_tokens_per_microbatch={B}"), "actor")
-    ag = plan.activation_bytes(QWEN32, long_cfg(f"parallel.cp={cp}", f"actor.max_tokens_per_microbatch={B}",
-                                                "model.cp_comm_type=allgather"), "actor")
     assert p2p["kv_exchange"] == 2 * 2 * (B // cp) * 1 * 128 * 2
-    assert ag["kv_exchange"] == 2 * B * 1 * 128 * 2  # cp / 2 = 2x the ring's two chunks
 
 
-def test_local_cp_attention_keeps_the_gathered_kv_of_every_layer():
+def test_local_cp_attention_keeps_its_prefix_kv_of_every_layer():
+    """bf16: the varlen path keeps each local chunk's prefix keys ((2CP+1)/(2CP) x the gathered
+    K/V), its bf16 output and fp32 log-sum-exp, and no score workspace."""
     B, cp, tp = 32768, 4, 2
     base = ["model.name=qwen2.5-32b", "model.transformer_impl=local", f"parallel.tp={tp}", f"parallel.cp={cp}",
             "parallel.nodes=1", "parallel.gpus_per_node=8", "data.max_prompt_len=2048", "rollout.max_new_tokens=30000",
             f"actor.max_tokens_per_microbatch={B}"]
     acts = plan.activation_bytes(QWEN32, load_config(None, base), "actor")
     s = B // cp
-    # no SP: 8h replicated + (4ad + 4gd + 6f + fp32 output 4ad + fp32 log-sum-exp 4a) / TP
-    per_token = 40960 + (20480 + 4096 + 165888 + 20480 + 160) / tp
+    # no SP: 8h replicated + (4ad + 4gd + 6f + bf16 output 2ad + fp32 log-sum-exp 4a) / TP
+    per_token = 40960 + (20480 + 4096 + 165888 + 10240 + 160) / tp
     gathered_kv = 2 * B * (8 // tp) * 128 * 2  # full-sequence K and V of the local KV heads, bf16
+    prefixes = gathered_kv * 9 / 8  # chunks r and 7-r of every sequence over their prefixes: 9/8 of the rows
+    assert acts["kv_exchange"] == 64 * prefixes + gathered_kv
+    assert acts["layers"] == 64 * s * per_token
+    assert acts["workspace"] == 0
+    sel = plan.activation_bytes(QWEN32, load_config(None, base + ["model.recompute=selective"]), "actor")
+    assert sel["kv_exchange"] == gathered_kv + prefixes  # one layer's worth, recomputed in the backward
+    assert sel["layers"] == 64 * s * (40960 + (20480 + 4096 + 165888) / tp)
+
+
+def test_local_cp_blockwise_attention_keeps_the_gathered_kv_of_every_layer():
+    """fp32: the blockwise path keeps the gathered K/V, its fp32 output and log-sum-exp, and one
+    query block's fp32 scores, probabilities, dP and dS as workspace."""
+    B, cp, tp = 32768, 4, 2
+    base = ["model.name=qwen2.5-32b", "model.transformer_impl=local", "model.dtype=fp32", f"parallel.tp={tp}",
+            f"parallel.cp={cp}", "parallel.nodes=1", "parallel.gpus_per_node=8", "data.max_prompt_len=2048",
+            "rollout.max_new_tokens=30000", f"actor.max_tokens_per_microbatch={B}"]
+    acts = plan.activation_bytes(QWEN32, load_config(None, base), "actor")
+    s = B // cp
+    per_token = 40960 + (20480 + 4096 + 165888 + 20480 + 160) / tp
+    gathered_kv = 2 * B * (8 // tp) * 128 * 4  # fp32
     assert acts["kv_exchange"] == 64 * gathered_kv
     assert acts["layers"] == 64 * s * per_token
     # the local attention's query block: 32 MiB / (4 bytes x 20 heads x 32768 keys) = 12 -> its minimum, 16
     assert acts["workspace"] == 16 * 16 * 32048 * 40 / tp  # fp32 scores, P, dP, dS of 16 queries x 32,048 keys
     sel = plan.activation_bytes(QWEN32, load_config(None, base + ["model.recompute=selective"]), "actor")
     assert sel["kv_exchange"] == gathered_kv  # gathered again in the backward: one layer's worth at a time
-    assert sel["layers"] == 64 * s * (40960 + (20480 + 4096 + 165888) / tp)
     attention = sys.modules[plan.activation_bytes.__module__]
-    assert attention.LOCAL_SCORE_BLOCK_BYTES == pytest.importorskip("megarl.models.attention").SCORE_BLOCK_BYTES
+    assert attention.LOCAL_SCORE_BLOCK_BYTES == pytest.importorskip("megarl.models.attention_blockwise").SCORE_BLOCK_BYTES
 
 
 def test_logprob_chunk_bounds_the_float32_logits():
@@ -440,10 +458,10 @@ def test_unmodelled_moe_is_refused():
 
 @pytest.mark.parametrize("cp,row,seq_len", [(1, 16384, 2048), (1, 65536, 65536), (2, 16384, 1024), (4, 262144, 65536)])
 def test_planner_attention_block_is_the_attentions_own(cp, row, seq_len):
-    """plan_activations mirrors megarl.models.attention.query_block_size (GPU sizing) without
+    """plan_activations mirrors megarl.models.attention_blockwise.query_block_size (GPU sizing) without
     importing torch; the two must pick the same block."""
-    attention = pytest.importorskip("megarl.models.attention")
-    cfg = long_cfg("model.transformer_impl=local", "model.sequence_parallel=false", f"parallel.cp={cp}",
+    attention = pytest.importorskip("megarl.models.attention_blockwise")
+    cfg = long_cfg("model.transformer_impl=local", "model.dtype=fp32", "model.sequence_parallel=false", f"parallel.cp={cp}",
                    "actor.max_tokens_per_microbatch=65536")
     heads = QWEN32.heads // cfg.parallel.tp
     workspace = sys.modules[plan.activation_bytes.__module__].attention_workspace_bytes(QWEN32, cfg, row, seq_len)

@@ -28,8 +28,8 @@ def vlm_forward_logits(model_chunks, input_ids: torch.Tensor, pixel_values: torc
 
     from megarl.models.builder import unwrap
     from megarl.models.vision.mrope import mrope_position_ids
+    from megarl.models.attention import thd_params
     from megarl.parallel.distributed import device
-    from megarl.trainer.train_model import thd_params
 
     chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     for chunk in chunks:
@@ -40,7 +40,7 @@ def vlm_forward_logits(model_chunks, input_ids: torch.Tensor, pixel_values: torc
                                 video_token_id=v.video_token_id)
     ids, pos, cu = pack_rows(input_ids.cpu(), pos)
     ids, pos = ids.to(device()), pos.to(device())
-    params = thd_params(torch.tensor(cu, dtype=torch.int32).to(device()))
+    params = thd_params(cu, device=device())
     images = {} if pixel_values is None else {"pixel_values": pixel_values.to(device()),
                                               "image_grid_thw": image_grid_thw.cpu()}
 
