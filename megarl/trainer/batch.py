@@ -17,6 +17,7 @@ and loss live at position o+P-1+j.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -178,9 +179,20 @@ class StepBatch:
     def to(self, device) -> "StepBatch":
         """A copy whose tensors live on `device` (lists are shared)."""
         return dataclasses.replace(self, **{
-            f.name: getattr(self, f.name).to(device)
+            f.name: to_device(getattr(self, f.name), device)
             for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), torch.Tensor)
         })
+
+
+def to_device(t: torch.Tensor | None, device) -> torch.Tensor | None:
+    """`t` on `device`. A host tensor bound for a GPU goes through pinned memory without blocking:
+    a copy from pageable memory would first wait for every kernel queued on the stream, so the
+    host could never prepare the next micro-batch while the GPU works on this one."""
+    if t is None:
+        return None
+    if t.device.type == "cpu" and torch.device(device).type == "cuda" and torch.cuda.is_available():
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 @dataclass
@@ -205,6 +217,10 @@ class MicroBatch:
     image_mask: torch.Tensor | None = None
     pixel_values: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
+    # set by `to`: owner[owner >= 0] (where in input_ids each held response token is) and
+    # resp_index[owner >= 0] (its position in the full row)
+    held_index: torch.Tensor | None = None
+    held_pos: torch.Tensor | None = None
 
     @property
     def vision_inputs(self) -> dict[str, torch.Tensor]:
@@ -228,12 +244,12 @@ class MicroBatch:
         if self.image_mask is not None:
             routing["image_mask"] = self.image_mask[:, mine]
         return dataclasses.replace(self, input_ids=self.input_ids[:, mine], position_ids=self.position_ids[..., mine],
-                                   owner=owner, cp_size=cp_size, **routing)
+                                   owner=owner, cp_size=cp_size, held_index=None, held_pos=None, **routing)
 
     def log_probs(self, logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         """[n, T_mb] log-probs of the response tokens from this rank's (vocab-parallel) logits."""
-        targets = self.targets.reshape(-1)[self.resp_index]
-        return self._response_view(logits, lambda x, t: vocab_parallel.token_log_probs(x, t, temperature), targets)
+        return self._response_view(logits, lambda x, t: vocab_parallel.token_log_probs(x, t, temperature),
+                                   self.targets.reshape(-1))
 
     def entropy(self, logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         """[n, T_mb] entropy of the policy at every response token."""
@@ -243,15 +259,16 @@ class MicroBatch:
         """[n, T_mb] critic values at the response tokens."""
         return self._response_view(values, lambda x, _: x[:, 0].float())
 
-    def _response_view(self, out: torch.Tensor, fn, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """fn(rows of `out` at the response tokens held here, their targets), `chunk_tokens` rows at
-        a time (with gradients, each chunk is recomputed in the backward: the float32 [tokens,
-        vocab/tp] intermediates never exist for more than one chunk); then summed over CP, where
-        every token is held by exactly one rank."""
+    def _response_view(self, out: torch.Tensor, fn, row_targets: torch.Tensor | None = None) -> torch.Tensor:
+        """fn(rows of `out` at the response tokens held here, their targets from `row_targets`
+        [S_full]), `chunk_tokens` rows at a time (with gradients, each chunk is recomputed in the
+        backward: the float32 [tokens, vocab/tp] intermediates never exist for more than one
+        chunk); then summed over CP, where every token is held by exactly one rank."""
         flat = out.reshape(-1, out.shape[-1])
         held = self.owner >= 0
-        index = self.owner[held]
-        tgt = targets[held] if targets is not None else index
+        index, pos = (self.owner[held], self.resp_index[held]) if self.held_index is None \
+            else (self.held_index, self.held_pos)
+        tgt = row_targets[pos] if row_targets is not None else index
         parts = []
         for i in range(0, index.numel(), self.chunk_tokens):
             idx, t = index[i : i + self.chunk_tokens], tgt[i : i + self.chunk_tokens]
@@ -269,19 +286,64 @@ class MicroBatch:
         return view * self.data.response_mask.to(view.dtype)
 
     def to(self, device) -> "MicroBatch":
-        return dataclasses.replace(
-            self, data=self.data.to(device), input_ids=self.input_ids.to(device),
-            position_ids=self.position_ids.to(device), targets=self.targets.to(device),
-            resp_index=self.resp_index.to(device), owner=self.owner.to(device), cu_seqlens=self.cu_seqlens.to(device),
-            routed_experts=None if self.routed_experts is None else self.routed_experts.to(device),
-            routing_valid=None if self.routing_valid is None else self.routing_valid.to(device),
-            pixel_values=None if self.pixel_values is None else self.pixel_values.to(device),
-            image_mask=None if self.image_mask is None else self.image_mask.to(device),
-        )
+        """A copy on `device`; the response tokens this rank holds are located on the host first
+        (`held_index` / `held_pos`), so the loss never waits on a device-side boolean index."""
+        held = self.owner >= 0
+        held_index, held_pos = (self.owner[held], self.resp_index[held]) if self.held_index is None \
+            else (self.held_index, self.held_pos)
+        moved = {name: to_device(getattr(self, name), device) for name in (
+            "input_ids", "position_ids", "targets", "resp_index", "owner", "cu_seqlens", "routed_experts",
+            "routing_valid", "pixel_values", "image_mask")}
+        return dataclasses.replace(self, data=self.data.to(device), held_index=to_device(held_index, device),
+                                   held_pos=to_device(held_pos, device), **moved)
 
 
 def padded_length(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class TokenLayout:
+    """How the trainer splits one packed row over ranks, and what every rank's part must divide by.
+
+    With context parallelism (cp > 1) each sequence is cut into 2*cp equal chunks and CP rank r
+    keeps chunks r and 2*cp-1-r (`MicroBatch.cp_shard`): every sequence length must divide by 2*cp,
+    and each CP rank then holds row/cp tokens. Sequence parallelism cuts that share into `sp`
+    contiguous equal parts (one per TP rank; 1 without it), whatever the sequence boundaries.
+    Each of those parts must be a multiple of `align` (the FP8 GEMMs' token alignment; 1 = none).
+    So only the row total needs more than 2*cp: `row_multiple`.
+    """
+
+    cp: int = 1
+    sp: int = 1
+    align: int = 1
+
+    @property
+    def sequence_multiple(self) -> int:
+        return 2 * self.cp if self.cp > 1 else 1
+
+    @property
+    def row_multiple(self) -> int:
+        return math.lcm(self.sequence_multiple, self.cp * self.sp * self.align)
+
+    def local_tokens(self, cu_seqlens: list[int]) -> list[int]:
+        """Tokens of every (CP rank, SP rank) part of a row with these sequence boundaries, CP rank
+        major; ValueError when the row does not split evenly."""
+        from megarl.models.attention import cp_shard_index
+
+        shares = ([len(cp_shard_index(cu_seqlens, self.cp, r)) for r in range(self.cp)]
+                  if self.cp > 1 else [int(cu_seqlens[-1])])
+        if any(n % self.sp for n in shares):
+            raise ValueError(f"CP shares of {shares} tokens do not split over {self.sp} sequence-parallel ranks")
+        return [n // self.sp for n in shares for _ in range(self.sp)]
+
+    def check(self, cu_seqlens: list[int]) -> None:
+        """The contract of a packed row: every rank's part is a multiple of `align` tokens."""
+        parts = self.local_tokens(cu_seqlens)
+        bad = sorted({n for n in parts if n % self.align})
+        if bad:
+            raise ValueError(f"a packed row of {cu_seqlens[-1]} tokens leaves {bad} tokens on some rank (cp={self.cp}, "
+                             f"sp={self.sp}); every rank's part must be a multiple of {self.align} (FP8 alignment)")
 
 
 def _images_of(t: Trajectory):
@@ -303,15 +365,17 @@ def _turn_fields(trajs: list[Trajectory], T: int) -> dict:
 
 
 def build_microbatch(batch: StepBatch, rows: list[int], pad_multiple: int = 1, chunk_tokens: int = 4096,
-                     vision=None) -> MicroBatch:
+                     vision=None, row_multiple: int = 1) -> MicroBatch:
     """Packs the sequences (prompt + response) of `rows` into one row delimited by cu_seqlens (THD;
     host tensors). Every sequence is padded to a multiple of `pad_multiple` (2*CP for context
-    parallelism, TP with sequence parallelism, 16 for FP8); the padding sits after the sequence
-    inside its own causal block, so it changes nothing before it. When the rows carry images
+    parallelism), then the last one further so the row is a multiple of `row_multiple` too
+    (sequence parallelism and FP8: `TokenLayout`); the padding sits after its sequence inside that
+    sequence's causal block, so it changes nothing before it. When the rows carry images
     (`vision`: the model's VisionSpec) the position ids are each sequence's M-RoPE ids.
     """
     seqs = [batch.prompt_ids[i] + batch.response_ids[i] for i in rows]
     padded = [padded_length(len(s), pad_multiple) for s in seqs]
+    padded[-1] += padded_length(sum(padded), math.lcm(row_multiple, pad_multiple)) - sum(padded)
     width = sum(padded)
     ids = torch.zeros(1, width, dtype=torch.long)
     pos = torch.zeros(1, width, dtype=torch.long)
@@ -389,10 +453,18 @@ def packed_routing(batch: StepBatch, rows: list[int], padded: list[int]) -> dict
     return {"routed_experts": routed, "routing_valid": valid}
 
 
-def split_microbatches(batch: StepBatch, rows: list[int], max_tokens: int, pad_multiple: int = 1,
+def split_microbatches(batch: StepBatch, rows: list[int], max_tokens: int, layout: TokenLayout = TokenLayout(),
                        chunk_tokens: int = 4096, vision=None) -> list[MicroBatch]:
-    """Token-budget micro-batches (first-fit-decreasing over whole sequences) of these rows."""
+    """Token-budget micro-batches (first-fit-decreasing over whole sequences) of these rows, packed
+    for `layout`. The budget is rounded down to the row multiple, so the row padding stays within
+    `max_tokens` (a longer single sequence gets a row of its own). Every row is checked against the
+    layout (`TokenLayout.check`) before it leaves here."""
     all_lengths = batch.lengths
-    lengths = [padded_length(all_lengths[i], pad_multiple) for i in rows]
-    groups = token_budget_microbatches(lengths, max_tokens)
-    return [build_microbatch(batch, [rows[i] for i in g], pad_multiple, chunk_tokens, vision) for g in groups]
+    seq_m, row_m = layout.sequence_multiple, layout.row_multiple
+    lengths = [padded_length(all_lengths[i], seq_m) for i in rows]
+    groups = token_budget_microbatches(lengths, max(row_m, max_tokens // row_m * row_m))
+    mbs = [build_microbatch(batch, [rows[i] for i in g], seq_m, chunk_tokens, vision, row_multiple=row_m)
+           for g in groups]
+    for mb in mbs:
+        layout.check(mb.cu_seqlens.tolist())
+    return mbs

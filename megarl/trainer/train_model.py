@@ -19,8 +19,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from megarl.models.attention import thd_params
+from megarl.parallel import host_offload
 from megarl.parallel.distributed import device
-from megarl.trainer.batch import MicroBatch, StepBatch, split_microbatches
+from megarl.trainer import offload
+from megarl.trainer.batch import MicroBatch, StepBatch, TokenLayout, split_microbatches
 
 # the distributed optimizer's reshardable format: loads under another DP / TP / PP layout
 OPTIM_CKPT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -73,6 +76,7 @@ class TrainModel:
 
         if routing_replay:
             model_options = {**(model_options or {}), "moe_enable_routing_replay": True}
+        self.rope_on_host = impl == "local"  # megarl.models.attention.thd_params
         chunks = build_model(hf_config, value_head=value_head, dtype=dtype, impl=impl,
                              padded_vocab=padded_vocab, seed=seed, config_overrides=model_options)
         self.chunks = chunks if isinstance(chunks, list) else [chunks]
@@ -94,10 +98,11 @@ class TrainModel:
             for c in self.chunks:
                 if getattr(c, "vision_model", None) is not None:
                     c.vision_model.requires_grad_(False)
-        self.pad_multiple = sequence_pad_multiple(self.config)
+        self.layout = token_layout(self.config)  # CP / SP / FP8 split of every packed row
         self.cp_rank, self.cp_size = ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()
         self.optimizer = None
         self._offloaded = False
+        self._moved = None  # what `offload` moved (megarl.trainer.offload.Moved)
         if optim is not None:
             ddp_cfg = DistributedDataParallelConfig(
                 grad_reduce_in_fp32=True, use_distributed_optimizer=optim.use_distributed_optimizer
@@ -115,9 +120,15 @@ class TrainModel:
     def _make_optimizer(self, optim, dtype):
         from megatron.core.optimizer import get_megatron_optimizer
 
-        if optim.offload_optimizer and not torch.cuda.is_available():
+        if optim.offload_optimizer and not host_offload.available():
             raise ValueError("offload_optimizer=true keeps optimizer state on the CPU instead of the GPU, "
                              "but there is no GPU here: set it to false")
+        if optim.offload_optimizer and dtype == "fp32":
+            # megatron 0.16.1 hands HybridDeviceOptimizer the fp32 shards as views of the
+            # parameters that keep their autograd history; torch rejects them ("can't optimize a
+            # non-leaf Tensor"). Its 16-bit shards are detached views and work.
+            raise ValueError("offload_optimizer=true needs model.dtype bf16 or fp16: megatron's "
+                             "HybridDeviceOptimizer cannot take fp32 parameter shards")
         return get_megatron_optimizer(optimizer_config(optim, dtype), self.chunks)
 
     # ---- modules ---------------------------------------------------------------------------
@@ -154,45 +165,31 @@ class TrainModel:
         rows = list(range(len(batch))) if rows is None else rows
         if not rows:
             return []
-        mbs = split_microbatches(batch, rows, self.max_tokens, self.pad_multiple, self.chunk_tokens, self.vision)
+        mbs = split_microbatches(batch, rows, self.max_tokens, self.layout, self.chunk_tokens, self.vision)
         return [mb.cp_shard(self.cp_rank, self.cp_size) for mb in mbs] if self.cp_size > 1 else mbs
 
     # ---- GPU memory between phases -----------------------------------------------------------
     def offload(self) -> None:
         """Frees this model's GPU memory while the colocated rollout engine generates.
 
-        Optimizer state (and fp32 main params) go to CPU first, then megatron DDP's param/grad
-        buffers (params to a pinned CPU copy, grads dropped: they are zeroed before every update);
-        a forward-only model (reference) moves its parameters to CPU. No-op without CUDA.
+        Optimizer state (fp32 main params, Adam moments) and the weights go to the host, the
+        gradients are dropped (they are zeroed before every update): megarl.trainer.offload,
+        which says why megatron's own optimizer offload is not used. No-op without a GPU (or
+        its CPU model, megarl.parallel.host_offload).
         """
-        if not torch.cuda.is_available() or self._offloaded:
+        if not host_offload.available() or self._offloaded:
             return
-        if self.optimizer is not None:
-            self.optimizer.offload_to_cpu()  # before the buffers: its shards may view them
-        for c in self.chunks:
-            if not _is_ddp(c):
-                for p in c.parameters():
-                    p.data = p.data.to("cpu")
-                continue
-            for buf in c.buffers + c.expert_parallel_buffers:
-                buf.offload_to_cpu(move_params=True, move_grads=True)
+        self._moved = offload.to_host(self.chunks, self.optimizer)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         self._offloaded = True
 
     def onload(self) -> None:
-        """Undoes `offload` (buffers first, then the optimizer state)."""
+        """Undoes `offload`: every tensor it moved is back on the GPU, views of DDP's buffers intact."""
         if not self._offloaded:
             return
-        for c in self.chunks:
-            if not _is_ddp(c):
-                for p in c.parameters():
-                    p.data = p.data.to(torch.cuda.current_device(), non_blocking=True)
-                continue
-            for buf in c.buffers + c.expert_parallel_buffers:
-                buf.reload_from_cpu(move_params=True, move_grads=True)
-        if self.optimizer is not None:
-            self.optimizer.restore_from_cpu()
+        offload.to_device(self._moved)
+        self._moved = None
         torch.cuda.synchronize()
         self._offloaded = False
 
@@ -201,7 +198,9 @@ class TrainModel:
         from megarl.models import routing
 
         def forward_step(data_iterator, model):
-            mb: MicroBatch = next(data_iterator).to(device())
+            mb: MicroBatch = next(data_iterator)
+            params = thd_params(mb.cu_seqlens, device=device(), rope_on_host=self.rope_on_host)  # read on the host, once
+            mb = mb.to(device())
             if self.is_moe and mb.routed_experts is not None:
                 routing.check_routing_shape(mb.routed_experts, self.config)
                 local = routing.sequence_parallel_slice(mb.routed_experts.shape[0], self.config)
@@ -211,7 +210,7 @@ class TrainModel:
                     observer.expect(model, mb.routed_experts[local], mb.routing_valid[local])
             elif self.routing_replay:
                 routing.set_replay(model, None)
-            out = model(mb.input_ids, mb.position_ids, None, packed_seq_params=thd_params(mb.cu_seqlens),
+            out = model(mb.input_ids, mb.position_ids, None, packed_seq_params=params,
                         **mb.vision_inputs)
 
             def loss_func(output):
@@ -345,9 +344,10 @@ class TrainModel:
 
 def optimizer_config(optim, dtype: str):
     """megatron's OptimizerConfig for an OptimConfig (actor / critic section) and model dtype."""
-    from megatron.core.optimizer import OptimizerConfig
+    import megatron.core.optimizer.optimizer_config as oc
+    from megatron.core.utils import get_te_version
 
-    return OptimizerConfig(
+    kwargs = dict(
         optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
         adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
         clip_grad=optim.clip_grad, use_distributed_optimizer=optim.use_distributed_optimizer,
@@ -358,37 +358,43 @@ def optimizer_config(optim, dtype: str):
         use_precision_aware_optimizer=optim.offload_optimizer,
         optimizer_offload_fraction=1.0 if optim.offload_optimizer else 0.0,
     )
-
-
-def _is_ddp(chunk) -> bool:
-    """A megatron DDP wrapper (its `buffers` attribute is the list of param/grad buffers)."""
-    from megatron.core.distributed import DistributedDataParallel
-
-    return isinstance(chunk, DistributedDataParallel)
+    if not optim.offload_optimizer or get_te_version() is not None:
+        return oc.OptimizerConfig(**kwargs)
+    # the precision-aware check of megatron 0.16.1 compares Transformer Engine's version, None
+    # without TE (a TypeError); HybridDeviceOptimizer needs no TE, and "TE >= 2.1" is false here
+    check, oc.is_te_min_version = oc.is_te_min_version, lambda *args, **kw: False
+    try:
+        return oc.OptimizerConfig(**kwargs)
+    finally:
+        oc.is_te_min_version = check
 
 
 def _torch_dtype(name: str) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
-def sequence_pad_multiple(config) -> int:
-    """Every packed sequence is padded to a multiple of this: CP splits every sequence into 2*CP
-    chunks, and with sequence parallelism each of them over the TP ranks; FP8 GEMMs need token
-    counts divisible by 16."""
-    cp = config.context_parallel_size
-    m = (2 * cp if cp > 1 else 1) * (config.tensor_model_parallel_size if config.sequence_parallel else 1)
-    if config.fp8:
-        m = math.lcm(m, 16)
-    return m
+def fp8_token_alignment(recipe, sequence_parallel: bool) -> int:
+    """What each rank's token count must be a multiple of for Transformer Engine's FP8 linear
+    layers (checked against TE 2.11). TE asserts on the rank's own input, before any sequence-
+    parallel all-gather: at least 8 rows (`assert_dim_for_fp8_exec`), 16 for cuBLAS's FP8 leading
+    dimensions (the weight-gradient GEMM reduces over tokens); MXFP8 scales blocks of 32 along
+    every dimension; blockwise quantizes 1x128 blocks, and an input it all-gathers (column-parallel
+    layers under SP) must be quantizable, i.e. its rows a multiple of 128 (`is_quantizable`)."""
+    name = getattr(recipe, "value", recipe)
+    if name not in ("delayed", "tensorwise", "blockwise", "mxfp8"):
+        raise ValueError(f"no token alignment known for FP8 recipe {name!r}")
+    if name == "mxfp8":
+        return 32
+    return 128 if name == "blockwise" and sequence_parallel else 16
 
 
-def thd_params(cu_seqlens: torch.Tensor):
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    cu = cu_seqlens.to(dtype=torch.int32)
-    max_len = int((cu[1:] - cu[:-1]).max())
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                           max_seqlen_q=max_len, max_seqlen_kv=max_len)
+def token_layout(config) -> TokenLayout:
+    """How packed rows split over this model's ranks (a megatron TransformerConfig): every sequence
+    in 2*CP chunks, each CP rank's share over the TP ranks under sequence parallelism, and under
+    FP8 every rank's part a multiple of `fp8_token_alignment`; `split_microbatches` pads for it."""
+    sp = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    align = fp8_token_alignment(config.fp8_recipe, sp > 1) if config.fp8 else 1
+    return TokenLayout(cp=config.context_parallel_size, sp=sp, align=align)
 
 
 def _sum_logs(logs: list[dict]) -> dict[str, float]:
