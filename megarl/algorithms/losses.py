@@ -65,13 +65,19 @@ def _seq_mean_token_sum(loss_mat, m, global_tokens=None, global_seqs=None, max_l
 
 @LOSS_AGGS.register("seq-mean-token-sum-norm")
 def _seq_mean_token_sum_norm(loss_mat, m, global_tokens=None, global_seqs=None, max_len=None):
-    """Dr. GRPO: sum_{i,t} m*l / L_const, L_const = max_len (the max response length) or T.
+    """Dr. GRPO: (1/N_seq) sum_i sum_t m*l / L = sum_{i,t} m*l / (N_seq * L).
 
-    Additive over micro-batches as long as L_const is the same constant for all of them: pass
-    max_len (the configured max response length) when micro-batches are padded differently."""
+    N_seq = global_seqs (sequences with >= 1 token in the whole mini-batch) or the local number
+    of such rows; L = max_len (the configured max response length, a constant) or T. The Dr. GRPO
+    objective averages the per-response token sums over the G responses and divides by the
+    generation budget instead of each response's length, so no length bias enters the gradient;
+    without 1/N_seq the loss would grow linearly with the number of sequences. With both counts
+    global the terms add up over micro-batches and DP ranks to the same value for any split."""
+    _check_count("global_seqs", global_seqs)
     L = loss_mat.shape[-1] if max_len is None else max_len
     _check_count("max_len", L)
-    return _msum(loss_mat, m) / L
+    den = _local_seqs(m) if global_seqs is None else global_seqs
+    return _msum(loss_mat, m) / (den * L)
 
 
 def agg_loss(
@@ -87,8 +93,8 @@ def agg_loss(
     - token-mean:              sum(m*l) / global_tokens (default: local sum(m))
     - seq-mean-token-mean:     sum_i(sum_t m*l / sum_t m) / global_seqs (default: local non-empty rows)
     - seq-mean-token-sum:      sum(m*l) / global_seqs
-    - seq-mean-token-sum-norm: sum(m*l) / max_len (Dr. GRPO; default max_len = T; pass the configured
-      max response length under micro-batching)
+    - seq-mean-token-sum-norm: sum(m*l) / (global_seqs * max_len) (Dr. GRPO; default max_len = T;
+      pass the configured max response length under micro-batching)
 
     mask is 0/1 (bool or numeric). Half-precision losses are reduced in float32.
     """

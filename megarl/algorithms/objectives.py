@@ -295,7 +295,13 @@ def gmpo_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: 
     not used). Paper default eps 0.4 each side, i.e. ratios in (e^-0.4, e^0.4). Not stated in the
     paper and chosen here: averaging token advantages into A_i (verl does the same).
     Metrics: clipfrac_high = frac(A > 0 and x > eps_high), clipfrac_low = frac(A < 0 and
-    x < -eps_low), clipfrac, plus the common ratio metrics.
+    x < -eps_low), clipfrac, plus the common ratio metrics. These are exactly the tokens where
+    x'_t != x_t, i.e. where the paper's sign-aware clip is active and the token has no gradient
+    (checked against the paper; verl's port instead counts every token outside the range by the
+    sign of A, including A > 0 with x < -eps_low, where the objective is not clipped).
+    Micro-batching: R_i needs every token of row i in one call; the trainer's micro-batches hold
+    whole rows (context-parallel shards are summed back into full rows before the loss), so with
+    global_seqs the micro-batch losses add up to the full-batch loss for any split.
     """
     _check_shapes("gmpo", log_probs, old_log_probs, advantages, mask)
     if eps_low < 0 or eps_high < 0:
@@ -380,10 +386,12 @@ def gpg_advantages(scores: torch.Tensor, group_index, alpha_correction: bool = T
     """GPG group advantage (arXiv 2504.02546, "accurate gradient estimation"), [N]:
     A_i = alpha * (s_i - mean_g) / F_norm.
 
-    alpha = B / (B - M): B = samples in the batch passed in (the whole step), M = samples of
-    groups whose scores are all equal (their advantage is 0, so they add nothing to the gradient
-    but count in the loss denominator; alpha rescales to the valid samples); alpha = 1 when every
-    group is invalid or with alpha_correction=False. F_norm = 1 (paper default) or the group's
+    alpha = B / B_valid = B / (B - M): B = samples in the batch passed in (the whole step),
+    M = samples of groups whose scores are all equal (their advantage is 0, so they add nothing
+    to the gradient but count in the loss denominator; alpha rescales to the valid samples), as
+    in the paper; alpha = 1 when every group is invalid or with alpha_correction=False. (Checked:
+    the authors' code divides the loss by max(1 - M/B, 0.05), the same alpha capped at 20; verl's
+    port uses B / #(s_i != 0), which is not the paper's count.) F_norm = 1 (paper default) or the group's
     unbiased std + eps with norm_by_std (the paper's alternative, GRPO's normaliser). A group of
     size 1 has mean 0 and std 1 (as GRPO) and counts as invalid."""
     s, ids, G = _scores_1d(scores, group_index)

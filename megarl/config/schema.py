@@ -46,7 +46,9 @@ class ModelConfig:
     critic_load: str | None = doc_field(None, "megatron torch_dist checkpoint dir of the critic (e.g. a pretrained value model)")
     dtype: Literal["fp32", "bf16", "fp16"] = doc_field("bf16", "parameter / compute dtype of the trained models")
     attention_backend: Literal["auto", "flash", "fused", "unfused", "local"] = doc_field(
-        "auto", "megatron-core AttnBackend (sets NVTE_*_ATTN); 'local' = megatron's own DotProductAttention"
+        "auto", "megatron-core AttnBackend: which Transformer Engine attention kernels may run (sets NVTE_*_ATTN); "
+        "'local' turns all three off, so it is refused unless transformer_impl=local, whose core attention is "
+        "megarl's own (that one ignores this field)"
     )
     transformer_impl: Literal["local", "transformer_engine", "auto"] = doc_field(
         "auto", "layer spec: megatron local layers, Transformer Engine layers, or TE when importable"
@@ -62,8 +64,9 @@ class ModelConfig:
     recompute_num_layers: int = doc_field(1, "layers per recompute chunk (uniform) or recomputed layers per stage (block)")
     sequence_parallel: bool = doc_field(False, "megatron sequence parallelism (needs parallel.tp > 1)")
     cp_comm_type: Literal["p2p", "a2a", "allgather", "a2a+p2p"] = doc_field(
-        "p2p", "Transformer Engine's context-parallel K/V exchange (ring p2p, all-to-all, all-gather); megarl's "
-        "local attention always all-gathers K/V"
+        "p2p", "Transformer Engine's context-parallel exchange: p2p (K/V ring) or a2a (all-to-all of Q/K/V); "
+        "allgather and a2a+p2p are refused (TE rejects them for packed THD sequences); megarl's local "
+        "attention always all-gathers K/V"
     )
     logprob_chunk_tokens: int = doc_field(
         4096, "log-probs / entropy / values are computed over this many response tokens at a time (with "
@@ -236,7 +239,12 @@ class AlgorithmConfig:
         "ppo", "policy loss (megarl.algorithms.POLICY_LOSSES): ppo (clipped), vanilla_pg, gspo, gspo_token, cispo, "
         "sapo, clip_cov, kl_cov, gmpo, gpg (megarl/algorithms/objectives.py)"
     )
-    loss_agg: LossAgg = doc_field("token-mean", "loss aggregation; denominators are global over the mini-batch")
+    loss_agg: LossAgg = doc_field(
+        "token-mean",
+        "loss aggregation, denominators global over the mini-batch: token-mean sum(l)/N_tok; seq-mean-token-mean "
+        "sum_i mean_t(l)/N_seq; seq-mean-token-sum sum(l)/N_seq; seq-mean-token-sum-norm (Dr. GRPO) "
+        "sum(l)/(N_seq * rollout.max_new_tokens)",
+    )
     clip_low: float = doc_field(0.2, "PPO ratio clip epsilon below 1")
     clip_high: float = doc_field(0.2, "PPO ratio clip epsilon above 1 (clip-higher: > clip_low)")
     clip_c: float | None = doc_field(None, "dual-clip constant c (> 1) for negative advantages; null = off")

@@ -62,6 +62,7 @@ def validate_config(cfg: MegaRLConfig, where: Callable[[str], str] | None = None
     e.check(m.logprob_chunk_tokens >= 1, "model.logprob_chunk_tokens", f"must be >= 1, got {m.logprob_chunk_tokens}")
     e.check(m.recompute_num_layers >= 1, "model.recompute_num_layers", f"must be >= 1, got {m.recompute_num_layers}")
     e.check(m.moe_aux_loss_coeff >= 0, "model.moe_aux_loss_coeff", f"must be >= 0, got {m.moe_aux_loss_coeff}")
+    _check_te_attention(e, cfg)
 
     e.check(d.max_prompt_len >= 1, "data.max_prompt_len", f"must be >= 1, got {d.max_prompt_len}")
     e.check(d.max_image_tokens is None or d.max_image_tokens >= 1, "data.max_image_tokens",
@@ -202,6 +203,36 @@ def validate_config(cfg: MegaRLConfig, where: Callable[[str], str] | None = None
     e.check(q.critic_sft_steps == 0 or cfg.critic.enable, "quickstart.critic_sft_steps", "needs critic.enable=true")
     _check_prm(e, cfg)
     e.raise_if_any()
+
+
+# model.cp_comm_type values Transformer Engine's context-parallel attention accepts for packed
+# (THD) rows, the only layout megarl trains on; why each other value fails there
+THD_CP_COMM_TYPES = ("p2p", "a2a")
+_CP_COMM_REFUSED = {
+    "allgather": "Transformer Engine names its all-gather exchange 'all_gather' and raises 'Unsupported "
+                 "communication type' for 'allgather'; its all-gather attention also refuses THD rows and the "
+                 "padding_causal mask megatron uses for them",
+    "a2a+p2p": "Transformer Engine's hierarchical CP refuses THD rows, and needs CP sub-groups "
+               "(hierarchical_context_parallel_sizes) that megarl does not create",
+}
+
+
+def _check_te_attention(e: _Errors, cfg: MegaRLConfig) -> None:
+    """Attention settings Transformer Engine refuses for packed rows (TE 2.11). transformer_impl
+    auto counts as TE: it picks TE wherever TE and a GPU are present."""
+    m, p = cfg.model, cfg.parallel
+    e.check(m.cp_comm_type in THD_CP_COMM_TYPES, "model.cp_comm_type",
+            f"{m.cp_comm_type!r} does not work on packed (THD) sequences, which megarl always trains on: "
+            f"{_CP_COMM_REFUSED.get(m.cp_comm_type, 'unknown')}; use one of {list(THD_CP_COMM_TYPES)}")
+    te = m.transformer_impl != "local"
+    e.check(not te or m.attention_backend != "local", "model.attention_backend",
+            f"'local' sets NVTE_FLASH_ATTN, NVTE_FUSED_ATTN and NVTE_UNFUSED_ATTN to 0, which leaves the Transformer "
+            f"Engine attention of model.transformer_impl={m.transformer_impl} (auto: TE wherever TE and a GPU are) no "
+            "backend: TE raises 'No dot product attention backend is available'; use auto, flash or fused, or "
+            "transformer_impl=local (megarl's own attention, whatever attention_backend says)")
+    e.check(not te or p.cp == 1 or m.attention_backend != "unfused", "model.attention_backend",
+            f"'unfused' leaves only Transformer Engine's unfused attention, which TE turns off under context "
+            f"parallelism (parallel.cp={p.cp}), so no backend is left; use auto, flash or fused")
 
 
 def _check_prm(e: _Errors, cfg: MegaRLConfig) -> None:

@@ -24,8 +24,11 @@ def test_agg_modes_hand_values():
     torch.testing.assert_close(agg_loss(loss, mask, "token-mean"), torch.tensor(7 / 3))
     torch.testing.assert_close(agg_loss(loss, mask, "seq-mean-token-mean"), torch.tensor((1.5 + 4) / 2))
     torch.testing.assert_close(agg_loss(loss, mask, "seq-mean-token-sum"), torch.tensor((3 + 4) / 2))
-    torch.testing.assert_close(agg_loss(loss, mask, "seq-mean-token-sum-norm"), torch.tensor(7 / 3))
-    torch.testing.assert_close(agg_loss(loss, mask, "seq-mean-token-sum-norm", max_len=7), torch.tensor(1.0))
+    # Dr. GRPO: (1/N_seq) sum_i sum_t m*l / L; N_seq = 2 non-empty rows, L = T = 3 or max_len
+    torch.testing.assert_close(agg_loss(loss, mask, "seq-mean-token-sum-norm"), torch.tensor(7 / (2 * 3)))
+    torch.testing.assert_close(agg_loss(loss, mask, "seq-mean-token-sum-norm", max_len=7), torch.tensor(7 / (2 * 7)))
+    torch.testing.assert_close(agg_loss(loss, mask, "seq-mean-token-sum-norm", global_seqs=7, max_len=4),
+                               torch.tensor(7 / (7 * 4)))
     torch.testing.assert_close(agg_loss(loss, mask, "token-mean", global_tokens=14), torch.tensor(0.5))
     torch.testing.assert_close(agg_loss(loss, mask, "seq-mean-token-sum", global_seqs=7), torch.tensor(1.0))
     assert agg_loss(loss, torch.zeros(3, 3), "token-mean") == 0
@@ -150,9 +153,9 @@ def test_micro_batch_split_with_global_counts_equals_full_batch(mode):
         logp = logp0[rows].clone().requires_grad_(True)
         v = v0[rows].clone().requires_grad_(True)
         m = mask[rows]
-        pl, _ = policy_loss(logp, old[rows], adv[rows], m, 0.2, 0.28, 3.0, mode, gt, global_seqs=gs)
-        vl, _ = value_loss(v, old_v[rows], ret[rows], m, 0.5, mode, gt, global_seqs=gs)
-        nl = positive_example_nll(logp, m, pos[rows], mode, gpt, global_seqs=gps)
+        pl, _ = policy_loss(logp, old[rows], adv[rows], m, 0.2, 0.28, 3.0, mode, gt, global_seqs=gs, max_len=T)
+        vl, _ = value_loss(v, old_v[rows], ret[rows], m, 0.5, mode, gt, global_seqs=gs, max_len=T)
+        nl = positive_example_nll(logp, m, pos[rows], mode, gpt, global_seqs=gps, max_len=T)
         (pl + vl + nl).backward()
         return torch.stack([pl, vl, nl]).detach(), logp.grad, v.grad
 
@@ -179,6 +182,77 @@ def test_micro_batch_split_with_global_counts_equals_full_batch(mode):
             for r in (torch.arange(0, 3), torch.arange(3, 4), torch.arange(4, 9))
         ) / 3
         assert not torch.allclose(naive, full[0])
+
+
+def test_dr_grpo_hand_values_and_gradient():
+    """(1/G) sum_i sum_t l_{i,t} / L with G = 2 responses, L = 4 (the generation budget)."""
+    logp = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -1.5, 0.0]], requires_grad=True)
+    adv = torch.tensor([[1.0, 1.0, 1.0], [-2.0, -2.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    loss, _ = vanilla_pg_loss(logp, logp.detach(), adv, mask, agg="seq-mean-token-sum-norm", max_len=4)
+    # l = -A * rho = -A at rho = 1: row 0 sums to -3, row 1 to +4
+    torch.testing.assert_close(loss, torch.tensor((-3.0 + 4.0) / (2 * 4)))
+    loss.backward()
+    torch.testing.assert_close(logp.grad, -adv * mask / (2 * 4))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_loss_does_not_scale_with_the_batch(mode):
+    """Every mode is a mean over sequences or tokens: duplicating the batch (the global counts
+    doubling with it) leaves the loss unchanged, and the gradient of each copy halves."""
+    torch.manual_seed(2)
+    B, T = 5, 6
+    mask = (torch.rand(B, T) > 0.3).long()
+    old = -torch.rand(B, T)
+    logp0 = old + 0.2 * torch.randn(B, T)
+    adv = torch.randn(B, T)
+
+    def run(k):
+        logp = logp0.repeat(k, 1).requires_grad_(True)
+        m = mask.repeat(k, 1)
+        n_tok, n_seq = int(m.sum()), int((m.sum(-1) > 0).sum())
+        loss, _ = policy_loss(logp, old.repeat(k, 1), adv.repeat(k, 1), m, 0.2, 0.28, None, mode, n_tok,
+                              global_seqs=n_seq, max_len=16)
+        loss.backward()
+        return loss.detach(), logp.grad
+
+    (l1, g1), (l2, g2) = run(1), run(2)
+    torch.testing.assert_close(l2, l1)
+    torch.testing.assert_close(g2, torch.cat([g1, g1]) / 2)
+
+
+def test_dr_grpo_actor_loss_in_the_trainer_has_global_denominators():
+    """ppo.actor_loss_fn hands this mode N_seq of the whole mini-batch (global_counts over every
+    micro-batch and DP rank) and L = rollout.max_new_tokens: micro-batches padded to different
+    widths add up to the full-batch loss (sum_{i,t} l / (N_seq * L))."""
+    from types import SimpleNamespace
+
+    from megarl.config import load_config
+    from megarl.trainer import ppo
+
+    cfg = load_config(None, ["algorithm.loss_agg=seq-mean-token-sum-norm", "algorithm.policy_loss=vanilla_pg",
+                             "rollout.max_new_tokens=10"])
+    old = torch.tensor([[-1.0, -2.0, -1.0], [-0.5, 0.0, 0.0], [-1.0, -1.0, 0.0]])
+    adv = torch.tensor([[1.0, 1.0, 1.0], [-2.0, 0.0, 0.0], [0.5, 0.5, 0.0]])
+    mask = torch.tensor([[1.0, 1, 1], [1, 0, 0], [1, 1, 0]])
+
+    class MB:  # the two methods of MicroBatch the loss reads, on a width-w slice of rows
+        def __init__(self, rows, w):
+            self.data = SimpleNamespace(loss_mask=mask[rows, :w], old_logprobs=old[rows, :w],
+                                        advantages=adv[rows, :w], ref_logprobs=None, acc=torch.zeros(len(rows)))
+
+        def log_probs(self, logits, temperature):
+            return logits
+
+        def entropy(self, logits, temperature):
+            return torch.zeros_like(logits)
+
+    batch = SimpleNamespace(acc=torch.zeros(3))
+    counts = ppo.global_counts(batch, [0, 1, 2], None, mask)
+    assert counts["seqs"] == 3
+    loss_fn = ppo.actor_loss_fn(cfg, counts, 1.0)
+    total = loss_fn(MB([0], 3), old[[0], :3])[0] + loss_fn(MB([1, 2], 2), old[[1, 2], :2])[0]
+    torch.testing.assert_close(total, torch.tensor((-3.0 + 2.0 - 1.0) / (3 * 10)))
 
 
 def test_registry_lists_all_modes():

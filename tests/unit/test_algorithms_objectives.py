@@ -226,6 +226,27 @@ def test_gmpo_log_space_clip_geometric_mean_value_and_gradient():
     close(loss_g, (-R0 + R1) / 4)
 
 
+def test_gmpo_micro_batches_of_whole_rows_add_up_to_the_full_batch():
+    """R_i is a per-row geometric mean: split by rows (micro-batches of different widths, as the
+    packer cuts them) with the global N_seq, the losses and gradients add up to the full batch's."""
+    g = torch.Generator().manual_seed(5)
+    old = -torch.rand(6, 7, generator=g, dtype=D)
+    new = old + 0.5 * torch.randn(6, 7, generator=g, dtype=D)  # some tokens beyond +-0.4: clipped
+    adv = torch.randn(6, 1, generator=g, dtype=D).expand(6, 7)
+    mask = t([[1] * 7, [1] * 3 + [0] * 4, [0] * 7, [1] * 5 + [0] * 2, [1] * 2 + [0] * 5, [1] * 6 + [0]])
+    full_lp = new.clone().requires_grad_(True)
+    full, _ = POLICY_LOSSES["gmpo"](full_lp, old, adv, mask)
+    full.backward()
+    total, grad = 0.0, torch.zeros_like(new)
+    for rows, w in (([0, 5], 7), ([1, 2, 4], 3), ([3], 5)):
+        lp = new[rows, :w].clone().requires_grad_(True)
+        loss, _ = POLICY_LOSSES["gmpo"](lp, old[rows, :w], adv[rows, :w], mask[rows, :w], global_seqs=5)
+        loss.backward()
+        total, grad[rows, :w] = total + loss.detach(), lp.grad
+    close(total, full.detach())
+    close(grad, full_lp.grad)
+
+
 # ---- GPG --------------------------------------------------------------------------------------------
 def test_gpg_loss_is_plain_policy_gradient():
     logp = leaf(LOGP)
