@@ -50,7 +50,10 @@ skip_tokenizer_init=True (then SGLang refuses stop strings).
   `enable_return_routed_experts=True` and every generate call asks for `return_routed_experts`;
   SGLang answers `meta_info["routed_experts"]`, the experts of the request's first
   len(input) + len(output) - 1 tokens as base64 of int32 [tokens, layers, top_k] (older versions:
-  a nested list; both are read). Each sample gets `routed_experts` [prompt + response, layers, top_k]
+  a nested list; both are read). SGLang 0.5.23: srt/managers/scheduler_components/
+  batch_result_processor.py `_maybe_collect_routed_experts` (positions 0 .. seqlen - 2, layers =
+  the LM config's num_hidden_layers, k = num_experts_per_tok), srt/managers/detokenizer_manager.py
+  `_b64_encode_per_request`. Each sample gets `routed_experts` [prompt + response, layers, top_k]
   from the call that produced its last tokens (FIRE's second call covers the first); the token
   SGLang never forwarded (the last) gets experts 0..k-1 (`torch_moe.sample_routing`).
 """
@@ -70,8 +73,8 @@ import torch.distributed as dist
 from megarl.rollout.checkpoint import has_tokenizer, read_config
 from megarl.rollout.sampling import segment_budget
 from megarl.rollout.sglang_utils import (
-    GenerateCall, ReleasedMemory, engine_launch_env, gather_to_owner, memory_tags,
-    needs_weight_update_session, rebucket, request_seeds, run_on_owner, run_segment,
+    GenerateCall, ReleasedMemory, check_generate_request, engine_launch_env, gather_to_owner,
+    memory_tags, needs_weight_update_session, rebucket, request_seeds, run_on_owner, run_segment,
     with_last_flag)
 from megarl.rollout.torch_moe import sample_routing
 from megarl.rollout.types import Sample, SamplingParams
@@ -244,9 +247,12 @@ class SGLangEngine:
         extra = {"return_routed_experts": True} if self.return_routed_experts else {}
         if call.images is not None:
             extra["image_data"] = image_data(call.images)
+        check_generate_request(call.input_ids, call.sampling_params, extra.get("image_data"))
         outputs = self._engine.generate(input_ids=call.input_ids,
                                         sampling_params=call.sampling_params, return_logprob=True, **extra)
         outputs = outputs if isinstance(outputs, list) else [outputs]
+        if len(outputs) != len(call.input_ids):
+            raise RuntimeError(f"SGLang answered {len(outputs)} outputs for {len(call.input_ids)} requests")
         if self.return_routed_experts:
             for ids, out in zip(call.input_ids, outputs):
                 full = list(ids) + [int(e[1]) for e in out["meta_info"]["output_token_logprobs"]]
@@ -409,7 +415,9 @@ def decode_routed_experts(value: Any, tokens: int, shape: tuple[int, int]) -> to
 
 def image_data(images: Sequence) -> list:
     """SGLang's `image_data` for requests whose input ids already hold the expanded image pads: per
-    request one HF processor-output item (`format="processor_output"`: pixel_values and
-    image_grid_thw of all its images), None for a text request."""
-    return [None if im is None else [{"format": "processor_output", "pixel_values": im.pixel_values,
-                                      "image_grid_thw": im.image_grid_thw}] for im in images]
+    request a list, with one HF processor-output item (`format="processor_output"`: pixel_values
+    and image_grid_thw of all its images), empty for a text request. Every entry is a list, never
+    None: SGLang keeps the entries per request only when the first one is a list
+    (`check_generate_request`)."""
+    return [[] if im is None else [{"format": "processor_output", "pixel_values": im.pixel_values,
+                                    "image_grid_thw": im.image_grid_thw}] for im in images]

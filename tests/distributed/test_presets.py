@@ -44,12 +44,13 @@ def test_pag_preset_rolls_out_multi_turn_trajectories(result):
 
 def test_moe_recipes_ran_at_ep2_on_the_tiny_moe(result):
     # Qwen3-30B-A3B / 235B-A22B / VL-30B-A3B recipes: the tiny Qwen3-MoE, experts over 2 ranks; MoE steps
-    # log routing agreement
+    # log routing agreement, and the recipes' routing replay makes every router use the engine's experts
     moe = {k: v["rows"] for k, v in result.items() if k.startswith("recipes/qwen3-")}
     assert len(moe) == 5
     for name, rows in moe.items():
         rows = train_rows(rows)
         assert rows and all(0 <= r["moe/routing_agreement"] <= 1 for r in rows), name
+        assert all(r["moe/replayed_fraction"] == 1.0 for r in rows), name
 
 
 def test_all_presets_ran_every_step(result):

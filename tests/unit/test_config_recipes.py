@@ -74,9 +74,12 @@ def test_ppo_vc_ppo_grpo_settings():
 def test_recipe_layout_matches_model_and_world(path):
     cfg = load_config(path)
     with open(os.path.join(CONFIGS, "models", f"{cfg.model.name}.json")) as f:
-        validate_model(cfg, json.load(f))
+        hf = json.load(f)
+    validate_model(cfg, hf)
     validate_world(cfg, cfg.parallel.nodes * cfg.parallel.gpus_per_node)
     assert cfg.rollout.engine == "sglang" and cfg.model.dtype == "bf16"
+    # an MoE recipe replays the engine's routing (SGLang returns the routed experts)
+    assert cfg.algorithm.routing_replay == bool((hf.get("text_config") or hf).get("num_experts"))
     if "qwen2.5-32b" in path:
         assert cfg.rollout.max_new_tokens >= 20480  # the papers' response length
 

@@ -1,9 +1,9 @@
-"""SGLang engine: the pure logic (request dicts, seeds, output parsing, buckets, gathering, memory
-regions, start-up environment) on CPU.
+"""SGLang engine on CPU (its pure helpers: test_rollout_sglang_utils.py).
 
 SGLang itself cannot run here; its GPU paths (weight streaming) are verified only on GPU clusters.
-`run_segment` and `SGLangEngine`'s start / memory / seeding logic are exercised with a stand-in for
-`sglang.Engine` that generates with the builtin engine and answers in SGLang's output format.
+`run_segment` and `SGLangEngine`'s start / memory / seeding / image / routing logic are exercised
+with a stand-in for `sglang.Engine` that reads requests the way SGLang 0.5.23 normalises them,
+generates with the builtin engine and answers in SGLang's output format.
 """
 
 from __future__ import annotations
@@ -26,146 +26,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 from megarl.rollout import BuiltinEngine, SamplingParams, make_engine
 from megarl.rollout.sglang_engine import SGLangEngine
-from megarl.rollout.sglang_utils import (
-    MEMORY_TAGS, GenerateCall, ReleasedMemory, broadcast_from_owner, engine_launch_env, first_call,
-    gather_to_owner, map_finish_reason, memory_tags, needs_weight_update_session, parse_output,
-    plan_buckets, rebucket, request_seeds, run_on_owner, run_segment, sample_seed, sampling_dict,
-    second_call, server_args, version_tuple, with_last_flag)
-from megarl.rollout.sampling import TokenSampler
-
-
-def test_sampling_dict():
-    sp = SamplingParams(temperature=0.7, top_p=0.9, top_k=-1, stop=["</s>"], stop_token_ids=[5],
-                        seed=3)
-    assert sampling_dict(TokenSampler(0.7, -1, 0.9), sp, 12, seed=11) == {
-        "max_new_tokens": 12, "temperature": 0.7, "top_p": 0.9, "top_k": -1, "n": 1,
-        "skip_special_tokens": True, "stop": ["</s>"], "stop_token_ids": [5], "sampling_seed": 11}
-    plain = sampling_dict(TokenSampler(0.0, 0, 1.0), SamplingParams(seed=3), 4)
-    assert plain["top_k"] == -1 and plain["temperature"] == 0.0
-    assert "stop" not in plain and "stop_token_ids" not in plain and "sampling_seed" not in plain
-
-
-def test_sample_seeds_distinct_per_sample_and_reproducible():
-    """SGLang's seeded sampler hashes (seed, position): the n samples of a prompt need n seeds."""
-    keys = [(i, j) for i in range(5) for j in range(16)]
-    seeds = request_seeds(1234, keys)
-    assert len(set(seeds)) == len(keys)
-    assert seeds == request_seeds(1234, keys)  # same call seed: same request seeds
-    assert not set(seeds) & set(request_seeds(1235, keys))
-    assert not set(seeds) & set(request_seeds(1234, keys, stream="continue"))
-    assert all(0 <= s < 2 ** 63 for s in seeds)  # SamplingParams.sampling_seed is an int64
-    assert len(set(request_seeds(None, keys))) == len(keys)
-    assert request_seeds(None, keys) != request_seeds(None, keys)  # no call seed: fresh draws
-    assert sample_seed(7, 0, 1) == request_seeds(7, [(0, 1)])[0]
-    call = first_call([[1], [1], [2]], [4, 4, 4], SamplingParams(seed=9), False, seeds=[10, 11, 12])
-    assert [d["sampling_seed"] for d in call.sampling_params] == [10, 11, 12]
-    rest = second_call([[1], [2]], [5, 6], [3, 3], SamplingParams(), seeds=[10, 12])
-    assert [d["sampling_seed"] for d in rest.sampling_params] == [10, 12]
-    with pytest.raises(ValueError, match="2 seeds for 3 requests"):
-        first_call([[1], [1], [2]], [4, 4, 4], SamplingParams(), False, seeds=[1, 2])
-
-
-def test_fire_is_two_calls_with_fire_params_set_last():
-    sp = SamplingParams(temperature=0.6, top_p=0.95, max_new_tokens=20, fire=True,
-                        fire_temperature=30.0, fire_top_k=16)
-    call = first_call([[1, 2], [3]], [20, 20], sp, fire=True)
-    assert call.input_ids == [[1, 2], [3]]
-    for d in call.sampling_params:
-        assert (d["max_new_tokens"], d["temperature"], d["top_k"], d["top_p"]) == (1, 30.0, 16, 0.95)
-    rest = second_call([[1, 2], [3]], [7, 8], [19, 19], sp)
-    assert rest.input_ids == [[1, 2, 7], [3, 8]]
-    for d in rest.sampling_params:
-        assert (d["max_new_tokens"], d["temperature"], d["top_k"]) == (19, 0.6, -1)
-    topk = first_call([[1]], [5], SamplingParams(top_k=4, fire=True), fire=True)
-    assert topk.sampling_params[0]["top_k"] == 4 and topk.sampling_params[0]["temperature"] == 30.0
-    no_fire = first_call([[1], [2]], [5, 3], sp, fire=False)  # continuation: no FIRE
-    assert [d["max_new_tokens"] for d in no_fire.sampling_params] == [5, 3]
-    assert all(d["temperature"] == 0.6 for d in no_fire.sampling_params)
-
-
-def test_finish_reason_and_output_parsing():
-    assert map_finish_reason({"type": "stop", "matched": 151643}, False) == "stop"
-    assert map_finish_reason({"type": "stop", "matched": "</answer>"}, True) == "stop"
-    assert map_finish_reason({"type": "length", "length": 8}, False) == "length"
-    assert map_finish_reason({"type": "length", "length": 8}, True) == "truncated"
-    with pytest.raises(RuntimeError, match="aborted the request: out of memory"):
-        map_finish_reason({"type": "abort", "message": "out of memory"}, False)
-    with pytest.raises(ValueError, match="did not finish"):
-        map_finish_reason(None, False)
-    with pytest.raises(ValueError, match="unknown type 'weird'"):
-        map_finish_reason({"type": "weird"}, False)
-    output = {"text": "ab", "output_ids": [11, 12],
-              "meta_info": {"finish_reason": {"type": "stop", "matched": 12},
-                            "output_token_logprobs": [(-0.5, 11, None), [-1.25, 12, "b"]]}}
-    assert parse_output(output, False) == ([11, 12], [-0.5, -1.25], "stop")
-    with pytest.raises(ValueError, match="return_logprob=True"):
-        parse_output({"meta_info": {"finish_reason": {"type": "length"}}}, False)
-    output["output_ids"] = [11]
-    with pytest.raises(ValueError, match="1 output_ids but 2 output_token_logprobs"):
-        parse_output(output, False)
-
-
-def test_plan_buckets_by_bytes():
-    sizes = [("a", 40), ("b", 30), ("c", 50), ("d", 200), ("e", 10), ("f", 90)]
-    assert plan_buckets(sizes, 100) == [["a", "b"], ["c"], ["d"], ["e", "f"]]
-    assert plan_buckets(sizes, 1000) == [["a", "b", "c", "d", "e", "f"]]
-    assert plan_buckets([], 10) == []
-    with pytest.raises(ValueError, match="bucket size must be > 0"):
-        plan_buckets(sizes, 0)
-
-
-def test_rebucket_splits_by_bytes_and_dtype():
-    stream = [[("w1", torch.zeros(10)), ("h1", torch.zeros(10, dtype=torch.bfloat16)),
-               ("w2", torch.zeros(20)), ("w3", torch.zeros(5))],
-              [("w4", torch.zeros(100))]]
-    out = list(rebucket(iter(stream), max_bytes=100))
-    names = [[n for n, _ in b] for b in out]
-    assert names == [["w1"], ["w2", "w3"], ["h1"], ["w4"]]  # 40+80 > 100, 80+20 = 100; w4: 400 B
-    assert all(len({t.dtype for _, t in b}) == 1 for b in out)
-
-
-def test_with_last_flag_and_versions():
-    assert list(with_last_flag([])) == []
-    assert list(with_last_flag(["a"])) == [("a", True)]
-    assert list(with_last_flag(iter("abc"))) == [("a", False), ("b", False), ("c", True)]
-    assert version_tuple("0.5.23.post1") == (0, 5, 23) and version_tuple("0.5.21rc1") == (0, 5, 21)
-    assert not needs_weight_update_session("0.5.20") and needs_weight_update_session("0.5.21")
-    assert needs_weight_update_session("0.6.0")
-    with pytest.raises(ValueError, match="cannot parse"):
-        version_tuple("dev")
-
-
-def _fail(message: str):
-    raise ValueError(message)
-
-
-def _gather_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    group = dist.new_group(list(range(world)), backend="gloo")
-    gathered = gather_to_owner(f"payload-{rank}".encode(), group)
-    samples = broadcast_from_owner({"from": rank} if rank == 0 else None, group)
-    owner_value = run_on_owner(lambda: 10 + rank, group)
-    try:
-        run_on_owner(lambda: _fail("prompt 3 is empty"), group)
-        error = None
-    except ValueError as err:
-        error = str(err)
-    with open(f"{out_dir}/rank{rank}.pkl", "wb") as f:
-        pickle.dump((gathered, samples, owner_value, error), f)
-    dist.destroy_process_group()
-
-
-def test_gather_and_broadcast_over_gloo(tmp_path):
-    world = 3  # fork: the children need no re-import of this module
-    mp.start_processes(_gather_worker, args=(world, str(tmp_path / "init"), str(tmp_path)),
-                       nprocs=world, start_method="fork")
-    results = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(world)]
-    assert results[0][0] == [b"payload-0", b"payload-1", b"payload-2"]  # ordered by group rank
-    assert results[1][0] is None and results[2][0] is None
-    assert all(r[1] == {"from": 0} for r in results)
-    assert all(r[2] == 10 for r in results)  # the owner's result everywhere
-    assert all(r[3] == "prompt 3 is empty" for r in results)  # the owner's error on every rank
-    assert gather_to_owner("x", None) == ["x"] and broadcast_from_owner(5, None) == 5
+from megarl.rollout.sglang_utils import GenerateCall, run_on_owner, run_segment, server_args
 
 
 def _sglang_format(sample) -> dict:
@@ -220,31 +81,49 @@ def test_make_engine_registry():
 # ---------------------------------------------------------------------------- engine lifecycle
 
 
-def test_memory_tags_send_only_state_changes():
-    assert memory_tags(None) == list(MEMORY_TAGS) == ["kv_cache", "weights", "cuda_graph"]
-    assert memory_tags(["cuda_graph", "kv_cache"]) == ["kv_cache", "cuda_graph"]
-    assert memory_tags("weights") == ["weights"]
-    with pytest.raises(ValueError, match=r"unknown SGLang memory tags \['kv'\]"):
-        memory_tags(["kv"])
-    memory = ReleasedMemory()
-    assert memory.to_resume() == []
-    memory.released(memory.to_release())
-    assert memory.to_release() == [] and memory.to_resume(["weights"]) == ["weights"]
-    memory.resumed(["weights"])
-    assert memory.to_resume() == ["kv_cache", "cuda_graph"]
+def _sglang_has_valid_data(data) -> bool:
+    """srt/multimodal/mm_utils.py `has_valid_data` (SGLang 0.5.23): any non-None leaf."""
+    if isinstance(data, list):
+        return any(_sglang_has_valid_data(d) for d in data)
+    return data is not None
 
 
-def test_engine_launch_env_hides_the_agent_store_and_restores_the_trainer_env():
-    environ = {"TORCHELASTIC_USE_AGENT_STORE": "True", "CUDA_DEVICE_MAX_CONNECTIONS": "1", "RANK": "3"}
-    with engine_launch_env(environ) as env:
-        assert "TORCHELASTIC_USE_AGENT_STORE" not in env and env["RANK"] == "3"
-        env.update(CUDA_DEVICE_MAX_CONNECTIONS="8", NCCL_CUMEM_ENABLE="0", SGLANG_RUN_ID="x")
-    assert environ == {"TORCHELASTIC_USE_AGENT_STORE": "True", "CUDA_DEVICE_MAX_CONNECTIONS": "1",
-                       "RANK": "3", "SGLANG_RUN_ID": "x"}
-    with pytest.raises(KeyError):
-        with engine_launch_env(environ):
-            raise KeyError("engine failed to start")
-    assert environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+def _sglang_batch_image_data(input_ids, image_data) -> list:
+    """Each request's own `image_data` after SGLang normalises an `Engine.generate(input_ids=...,
+    image_data=...)` call. Reproduces SGLang 0.5.23 srt/managers/io_struct.py, GenerateReqInput:
+    `_determine_batch_size` (flat ids: one request), `_normalize_image_data` (a batch, one sample
+    per request) and `__getitem__`. The rule that bit megarl: only the FIRST entry decides whether
+    the list is per-request lists (kept) or one image per request (every entry wrapped again)."""
+    if isinstance(input_ids[0], int):  # a single request: image_data is its own, untouched
+        return [image_data]
+    n = len(input_ids)
+    if image_data is None or (isinstance(image_data, list) and len(image_data) == 0):
+        return [None] * n
+    if not isinstance(image_data, list):
+        return [[image_data]] * n
+    if len(image_data) != n:
+        raise ValueError("The length of image_data should be equal to the batch size.")
+    if isinstance(image_data[0], list):
+        return list(image_data)
+    return [[im] for im in image_data]
+
+
+def _sglang_processor_items(request_images) -> list[dict]:
+    """The processor-output items SGLang reads from one request's `image_data`: nothing unless it
+    holds a non-None leaf (srt/managers/tokenizer_manager.py `_tokenize_one_request`, which also
+    wraps a bare item in a list); a "processor_output" dict is used as is and must be the request's
+    only item (srt/multimodal/processors/base_processor.py `_validate_one_modality`,
+    `_get_preprocessed_input_format`); anything else would be loaded as an image file / URL."""
+    if not _sglang_has_valid_data(request_images):
+        return []
+    items = request_images if isinstance(request_images, list) else [request_images]
+    for item in items:
+        if not (isinstance(item, dict) and item.get("format") == "processor_output"):
+            raise ValueError(f"SGLang would load a {type(item).__name__} as an image file / URL / base64: "
+                             f"{str(item)[:60]}")
+    if len(items) != 1:
+        raise ValueError(f"a processor_output item must be the request's only image item, got {len(items)}")
+    return items
 
 
 class _StandInEngine:
@@ -252,8 +131,9 @@ class _StandInEngine:
 
     Like the real one it starts a child process at creation (the scheduler; it inherits this
     process's environment) and refuses to resume a region that is not released or to release one
-    twice (srt/managers/scheduler_components/weight_updater.py). Generation runs the builtin
-    engine on the same checkpoint and answers in SGLang's output format.
+    twice (srt/managers/scheduler_components/weight_updater.py). It reads `image_data` the way
+    SGLang normalises it (`_sglang_batch_image_data`). Generation runs the builtin engine on the
+    same checkpoint and answers in SGLang's output format.
     """
 
     created: list["_StandInEngine"] = []
@@ -290,11 +170,11 @@ class _StandInEngine:
             sp = SamplingParams(temperature=d["temperature"], top_k=d["top_k"], top_p=d["top_p"],
                                 max_new_tokens=d["max_new_tokens"], seed=d.get("sampling_seed"))
             images = None
-            if image_data is not None:  # per request: None, or [one processor-output item]
-                self.image_requests.append(image_data[k])
-                if image_data[k] is not None:
-                    (item,) = image_data[k]
-                    assert item["format"] == "processor_output"
+            if image_data is not None:  # what SGLang's request normalisation hands request k
+                items = _sglang_processor_items(_sglang_batch_image_data(input_ids, image_data)[k])
+                self.image_requests.append(items or None)
+                if items:
+                    (item,) = items
                     images = [{"pixel_values": item["pixel_values"], "image_grid_thw": item["image_grid_thw"]}]
             sample = self.backend.generate([ids], sp, **({"images": images} if images else {}))[0]
             out = _sglang_format(sample)
@@ -529,3 +409,55 @@ def test_engine_sends_images_as_processor_output(tmp_path):
     item = image_data([images[2]])[0][0]
     assert item["format"] == "processor_output" and item["image_grid_thw"].tolist() == [[1, 12, 10], [1, 4, 4]]
     assert all(len(s.response_ids) > 0 for s in samples)
+
+
+@pytest.mark.parametrize("layout", [[None, 1], [None, None], [1], [None], [1, None, 2], [None, 2, None]],
+                         ids=["text-first", "all-text", "single-image", "single-text", "image-first", "text-image-text"])
+def test_engine_images_reach_each_request_whatever_the_text_image_mix(tmp_path, layout):
+    """SGLang reads image_data as per-request lists only if its first entry is a list: whatever the
+    order of text and image prompts, each request must get exactly its own processor-output item
+    (and a text request none) after SGLang's normalisation (reproduced by the stand-in)."""
+    from megarl.rollout.types import PromptImages
+    from tests.distributed.scripts_vlm_common import make_prompt, make_tiny_vlm
+
+    make_tiny_vlm(tmp_path, seed=2)
+    _StandInEngine.created.clear()
+    sizes = {1: [(20, 37)], 2: [(48, 40), (9, 9)]}
+    made = [make_prompt(sizes.get(kind, []), i + 1) for i, kind in enumerate(layout)]
+    images = [None if m[1] is None else PromptImages(m[1]["pixel_values"], m[1]["image_grid_thw"]) for m in made]
+    engine = _engine(tmp_path, start=True)
+    samples = engine.generate([m[0] for m in made], SamplingParams(n=1, temperature=1.0, max_new_tokens=3, seed=3),
+                              images=images)
+    (sgl,) = _StandInEngine.created
+    if all(im is None for im in images):
+        assert sgl.image_requests == []  # a text-only call sends no image_data at all
+    else:
+        assert len(sgl.image_requests) == len(layout)
+        for got, im in zip(sgl.image_requests, images):
+            if im is None:
+                assert got is None
+            else:
+                (item,) = got
+                assert item["pixel_values"] is im.pixel_values and item["image_grid_thw"] is im.image_grid_thw
+    assert [s.index for s in samples] == list(range(len(layout)))
+
+
+def test_image_data_survives_sglang_normalisation_for_every_mix():
+    """megarl's image_data list, normalised as SGLang does, gives request i exactly image i's item
+    (a text request none) for every mix of text and image requests, 1 to 4 requests."""
+    import itertools
+
+    from megarl.rollout.sglang_engine import image_data
+    from megarl.rollout.types import PromptImages
+
+    for n in range(1, 5):
+        for mask in itertools.product([False, True], repeat=n):
+            images = [PromptImages(torch.rand(4, 8), torch.tensor([[1, 2, 2]])) if m else None for m in mask]
+            data = image_data(images)
+            ids = [[1, 2, 3]] * n
+            per_request = _sglang_batch_image_data(ids, data)
+            for im, got in zip(images, per_request):
+                items = _sglang_processor_items(got)
+                assert len(items) == (im is not None), (mask, got)
+                if im is not None:
+                    assert items[0]["pixel_values"] is im.pixel_values
