@@ -4,7 +4,8 @@ For each leaf field of the config schema, WITNESSES gives a changed value and an
 function of the config that calls the code consuming that field (the model build, the loss,
 the advantages, the data loader, the RL loop, ...). The worker evaluates the observation on a
 small base config and on the base with that one field changed, in one process (world size 1,
-gloo, the CPU runtime), and writes both. A field is live when the observations differ. An
+gloo, the CPU runtime), and writes both. A field is live when the observations differ once
+identity (run-directory names, paths, times: `normalise`) is taken out of them. An
 error is an observation too (a setting that cannot run here must fail clearly, not silently).
 NOT_ON_CPU lists fields whose effect needs a GPU, TE or SGLang; SHOWN_ELSEWHERE names the test
 that shows a field live where a two-run comparison here would only repeat it.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import re
 import sys
 from pathlib import Path
 
@@ -528,20 +530,39 @@ def obs_evaluate(ctx, cfg):
 
 
 def obs_loop(ctx, cfg):
-    """One RL run: its metrics rows, eval rows, checkpoints and TensorBoard files."""
+    """One RL run: its metrics rows, eval rows, checkpoints and TensorBoard files (never the run
+    directory's name: that is identity, see `normalise`)."""
     from megarl.trainer.loop import train
 
     run_dir = Path(cfg.trainer.run_dir)
     train(cfg)
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {"run_dir": run_dir.name,
-            "steps": [r["step"] for r in rows if "actor/pg_loss" in r or "critic/value_loss" in r],
+    try:
+        rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    except FileNotFoundError as e:
+        return _err(e)
+    return {"steps": [r["step"] for r in rows if "actor/pg_loss" in r or "critic/value_loss" in r],
             "actor_steps": [r["step"] for r in rows if "actor/pg_loss" in r],
             "eval_steps": [r["step"] for r in rows if "eval/accuracy" in r],
             "kl": [round(r.get("actor/approx_kl", 0.0), 7) for r in rows if "actor/pg_loss" in r],
+            # the policy's entropy at the sampled tokens: which tokens were sampled (trainer.seed)
+            "entropy": [round(r["actor/entropy"], 5) for r in rows if "actor/entropy" in r],
             "reward": [r.get("reward/mean") for r in rows if "reward/mean" in r],
             "checkpoints": sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")),
             "tensorboard": (run_dir / "tb").exists()}
+
+
+RUN_B = "run_b"  # trainer.run_dir's changed value, under the liveness root
+
+
+def obs_run_dir(ctx, cfg):
+    """One RL run: whether its metrics and checkpoints landed in {root}/run_b. The base run uses
+    another directory; a trainer that ignored trainer.run_dir would write both runs elsewhere."""
+    from megarl.trainer.loop import train
+
+    train(cfg)
+    where = ctx.root / RUN_B
+    return {"metrics_in_run_b": (where / "metrics.jsonl").exists(),
+            "checkpoints_in_run_b": sorted(p.name for p in (where / "checkpoints").glob("step_*"))}
 
 
 def obs_sft(ctx, cfg):
@@ -723,17 +744,20 @@ WITNESSES = {
     "algorithm.rollout_is": W("tis", obs_rollout_is),
     "algorithm.rollout_is_cap": W("1.5", obs_rollout_is, "algorithm.rollout_is=tis"),
     "algorithm.retrain_earlier_windows": W("true", obs_window_masks),
-    "algorithm.ppo_epochs": W("2", obs_loop, *LOOP),
+    # every reward of the untrained model is the same (advantages 0): the entropy bonus makes the
+    # first epoch move the policy, so the second one sees a ratio != 1 (approx_kl > 0)
+    "algorithm.ppo_epochs": W("2", obs_loop, *LOOP, "algorithm.entropy_coef=0.01"),
     "algorithm.mini_batch_size": W("4", obs_minibatches),
     "critic.enable": W("false", obs_components),
     "critic.init_from": W("{root}/ckpt_critic", obs_critic),
     "reward": W("{{sources: {{arith: math}}, correct_score: 2.0}}", obs_score),
     "trainer.total_steps": W("2", obs_loop, *LOOP),
     "trainer.seed": W("5", obs_loop, *LOOP),
-    "trainer.run_dir": W("{root}/run_b", obs_loop, *LOOP),
-    "trainer.save_interval": W("1", obs_loop, *LOOP),
+    "trainer.run_dir": W("{root}/" + RUN_B, obs_run_dir, *LOOP),
+    # two steps: the last step always saves and evaluates, so one step would hide the interval
+    "trainer.save_interval": W("1", obs_loop, *LOOP, "trainer.total_steps=2"),
     "trainer.keep_last": W("1", obs_loop, *LOOP, "trainer.total_steps=2", "trainer.save_interval=1"),
-    "trainer.eval_interval": W("1", obs_loop, *LOOP),
+    "trainer.eval_interval": W("1", obs_loop, *LOOP, "trainer.total_steps=2"),
     "trainer.log_interval": W("2", obs_loop, *LOOP, "trainer.total_steps=2"),
     "trainer.tensorboard": W("true", obs_loop, *LOOP),
     "trainer.val_before_train": W("true", obs_loop, *LOOP),
@@ -775,6 +799,29 @@ def _base(ctx: Ctx, extra=()):
     return load_config(None, base_overrides(ctx) + [f"trainer.run_dir={ctx.root / 'base'}"] + list(extra))
 
 
+IDENTITY_KEYS = {"run_dir", "pid", "host", "hostname", "time", "timestamp", "wall_time"}
+
+
+def _identity_key(k) -> bool:
+    return isinstance(k, str) and (k in IDENTITY_KEYS or k.startswith(("time/", "perf/")))
+
+
+def normalise(value, ctx: Ctx, run_dir: Path):
+    """An observation without identity, so that base and changed runs compare only behaviour:
+    dict entries keyed by IDENTITY_KEYS or time/ and perf/ metrics are dropped, and in every
+    string the run's directory (path or name) becomes <run_dir> and the liveness root <root>.
+    The base and changed observations each run in their own directory; left in, the names alone
+    would make every observation that mentions them differ whatever the code does."""
+    if isinstance(value, dict):
+        return {k: normalise(v, ctx, run_dir) for k, v in value.items() if not _identity_key(k)}
+    if isinstance(value, (list, tuple)):
+        return type(value)(normalise(v, ctx, run_dir) for v in value)
+    if isinstance(value, str):
+        value = value.replace(str(run_dir), "<run_dir>").replace(str(ctx.root), "<root>")
+        return re.sub(rf"(?<![\w.-]){re.escape(run_dir.name)}(?![\w.-])", "<run_dir>", value)
+    return value
+
+
 def _observe(ctx, obs, overrides, run_dir: Path):
     from megarl.config import ConfigError, load_config
 
@@ -783,8 +830,8 @@ def _observe(ctx, obs, overrides, run_dir: Path):
                           if not any(o.startswith("trainer.run_dir=") for o in overrides)
                           else base_overrides(ctx) + overrides)
     except ConfigError as e:
-        return _err(e)
-    return obs(ctx, cfg)
+        return normalise(_err(e), ctx, run_dir)
+    return normalise(obs(ctx, cfg), ctx, Path(cfg.trainer.run_dir))
 
 
 def _save_checkpoints(ctx: Ctx) -> None:

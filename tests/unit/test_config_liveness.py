@@ -44,19 +44,28 @@ def test_shown_elsewhere_names_existing_tests():
         assert f"def {name}(" in (REPO / path).read_text(), (field, where)
 
 
+def selected_fields(request) -> list[str]:
+    """The fields of the witness tests this session runs (all of them, or those -k selected)."""
+    return sorted({item.callspec.params["field"] for item in request.session.items
+                   if item.module is request.module and "field" in getattr(getattr(item, "callspec", None), "params", {})})
+
+
 @pytest.fixture(scope="module")
-def observations(tmp_path_factory):
+def observations(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("liveness")
     out = root / "out.json"
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                MEGARL_STRICT_DEVICE="1")
-    proc = subprocess.run([sys.executable, str(REPO / "tests/distributed/scripts_liveness.py"), str(root), str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    only = selected_fields(request)
+    only = only if len(only) < len(L.WITNESSES) else []  # none named: the script observes every field
+    proc = subprocess.run([sys.executable, str(REPO / "tests/distributed/scripts_liveness.py"), str(root), str(out),
+                           *only], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 
 
 @pytest.mark.parametrize("field", sorted(L.WITNESSES))
 def test_changing_the_field_changes_the_run(observations, field):
+    """Observations are compared without identity (run-dir names, paths: scripts_liveness.normalise)."""
     obs = observations[field]
     assert obs["base"] != obs["changed"], f"{field}: {obs['base']}"
