@@ -120,6 +120,7 @@ def peak_flops(override_tflops: float | None) -> tuple[float | None, str]:
 @dataclass
 class Row:
     impl: str
+    attn: str  # the local attention's kernel (megarl.models.attention_kernels): auto, varlen, sdpa, blockwise
     shape: str
     seq: int
     sample_len: int
@@ -137,7 +138,7 @@ class Row:
 
     def line(self) -> str:
         f = lambda x, fmt: "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
-        return (f"bench impl={self.impl} shape={self.shape} seq={self.seq} sample_len={self.sample_len} "
+        return (f"bench impl={self.impl} attn={self.attn} shape={self.shape} seq={self.seq} sample_len={self.sample_len} "
                 f"microbatches={self.microbatches} status={self.status.split(':')[0]} "
                 f"step_s={f(self.step_s, '.4f')} tokens_per_s={f(self.tokens_per_s, '.1f')} "
                 f"tflops={f(self.tflops, '.2f')} mfu={f(self.mfu, '.4f')} "
@@ -202,7 +203,14 @@ def timed(fn, warmup: int, steps: int) -> float:
     return (time.perf_counter() - t0) / max(1, steps)
 
 
-def bench_one(args, impl: str, seq: int, peak: float | None) -> Row:
+def bench_one(args, impl: str, attn: str, seq: int, peak: float | None) -> Row:
+    from megarl.models.attention_kernels import forced_kernel
+
+    with forced_kernel(attn):
+        return _bench_one(args, impl, attn, seq, peak)
+
+
+def _bench_one(args, impl: str, attn: str, seq: int, peak: float | None) -> Row:
     import torch
     from megatron.core import parallel_state as ps
 
@@ -212,7 +220,7 @@ def bench_one(args, impl: str, seq: int, peak: float | None) -> Row:
 
     cuda = torch.cuda.is_available()
     sample_len = min(seq, args.sample_len) if args.sample_len > 0 else seq
-    row = Row(impl=impl, shape=args.shape, seq=seq, sample_len=sample_len, microbatches=args.microbatches)
+    row = Row(impl=impl, attn=attn, shape=args.shape, seq=seq, sample_len=sample_len, microbatches=args.microbatches)
     cfg = hf_config(args.shape, sample_len)
     rl = rl_config(sample_len)
     te = impl == "te"
@@ -256,8 +264,31 @@ def bench_one(args, impl: str, seq: int, peak: float | None) -> Row:
         row.logprob_mfu = fwd_flops / row.logprob_s / tp / peak
     if cuda:
         row.peak_mem_gib = torch.cuda.max_memory_allocated() / 2**30
+    if args.profile:
+        profile_step(train_step, args.profile)
     del model
     return row
+
+
+def profile_step(train_step, top: int) -> None:
+    """One more train step under torch.profiler: the `top` kernels by device time (CPU: by CPU
+    time) and the step's device-busy share, so a low MFU says where the time went."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    sync()
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        train_step()
+        sync()
+    wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    busy = sum(getattr(e, key) for e in events if e.device_type.name == "CUDA") if torch.cuda.is_available() else 0.0
+    print(f"profile: step wall {wall * 1e3:.1f} ms under the profiler, device busy {busy / 1e3:.1f} ms "
+          f"({busy / 1e6 / wall:.0%})", flush=True)
+    print(events.table(sort_by=key, row_limit=top, max_name_column_width=70), flush=True)
 
 
 def free() -> None:
@@ -290,11 +321,11 @@ def report(rows: list[Row], header: str) -> None:
 
         na = lambda x, fmt: "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
         table = Table(title=header)
-        for col in ("impl", "seq", "sample", "status", "step s", "tok/s/GPU", "TFLOP/s", "MFU",
+        for col in ("impl", "attn", "seq", "sample", "status", "step s", "tok/s/GPU", "TFLOP/s", "MFU",
                     "logprob tok/s", "logprob MFU", "peak GiB", "static GiB"):
             table.add_column(col, overflow="fold")
         for r in rows:
-            table.add_row(r.impl, str(r.seq), str(r.sample_len), r.status, na(r.step_s, ".3f"),
+            table.add_row(r.impl, r.attn, str(r.seq), str(r.sample_len), r.status, na(r.step_s, ".3f"),
                           na(r.tokens_per_s, ",.0f"), na(r.tflops, ".1f"), na(r.mfu, ".1%"),
                           na(r.logprob_tokens_per_s, ",.0f"), na(r.logprob_mfu, ".1%"),
                           na(r.peak_mem_gib, ".1f"), na(r.static_mem_gib, ".1f"))
@@ -313,6 +344,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="tokens per sequence (prompt + response); 0 = one sequence per micro-batch")
     p.add_argument("--microbatches", type=int, default=4, help="micro-batches per optimizer step")
     p.add_argument("--impl", default="local,te", help="layer specs: local, te (TE is skipped where absent)")
+    p.add_argument("--attn", default="auto", help="local attention kernels, comma-separated: auto (varlen on CUDA "
+                   "in bf16), varlen, sdpa, blockwise (megarl.models.attention_kernels)")
+    p.add_argument("--profile", type=int, default=0, help="profile one more train step, print the top N kernels")
     p.add_argument("--steps", type=int, default=3, help="timed steps")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size (world = tp * dp)")
@@ -329,13 +363,15 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
+    from megarl.models.attention_kernels import KERNELS
     from megarl.parallel.distributed import ParallelSizes, destroy_distributed, init_distributed
 
     seqs = [int(s) for s in args.seq.split(",") if s.strip()]
     impls = [s.strip() for s in args.impl.split(",") if s.strip()]
-    bad = sorted(set(impls) - {"local", "te"})
+    attns = [s.strip() for s in args.attn.split(",") if s.strip()]
+    bad = sorted(set(impls) - {"local", "te"}) + sorted(set(attns) - set(KERNELS))
     if bad:
-        raise SystemExit(f"bench_train: unknown --impl {bad} (choose from local, te)")
+        raise SystemExit(f"bench_train: unknown --impl / --attn {bad} (choose from local, te / {', '.join(KERNELS)})")
     init_distributed(ParallelSizes(tp=args.tp), seed=0)
     rank = dist.get_rank()
     peak, peak_desc = peak_flops(args.peak_tflops)
@@ -343,25 +379,24 @@ def main(argv: list[str] | None = None) -> int:
     te_ok, te_why = te_usable()
     rows: list[Row] = []
     failed = False
-    for impl in impls:
-        for seq in seqs:
-            sample_len = min(seq, args.sample_len) if args.sample_len > 0 else seq
-            if impl == "te" and not te_ok:
-                rows.append(Row(impl, args.shape, seq, sample_len, args.microbatches, status=f"skipped: {te_why}"))
-                continue
-            try:
-                rows.append(bench_one(args, impl, seq, peak))
-            except torch.cuda.OutOfMemoryError:
-                rows.append(Row(impl, args.shape, seq, sample_len, args.microbatches, status="OOM"))
-            except Exception as err:  # noqa: BLE001 - reported, the next configuration runs
-                failed = True
-                if rank == 0:
-                    traceback.print_exc(file=sys.stderr)
-                rows.append(Row(impl, args.shape, seq, sample_len, args.microbatches,
-                                status=f"error: {type(err).__name__}: {err}"))
+    for impl, attn, seq in [(i, a, s) for i in impls for a in (attns if i == "local" else ["auto"]) for s in seqs]:
+        sample_len = min(seq, args.sample_len) if args.sample_len > 0 else seq
+        if impl == "te" and not te_ok:
+            rows.append(Row(impl, attn, args.shape, seq, sample_len, args.microbatches, status=f"skipped: {te_why}"))
+            continue
+        try:
+            rows.append(bench_one(args, impl, attn, seq, peak))
+        except torch.cuda.OutOfMemoryError:
+            rows.append(Row(impl, attn, args.shape, seq, sample_len, args.microbatches, status="OOM"))
+        except Exception as err:  # noqa: BLE001 - reported, the next configuration runs
+            failed = True
             if rank == 0:
-                print(f"bench_train row: {rows[-1].line()}", flush=True)
-            free()
+                traceback.print_exc(file=sys.stderr)
+            rows.append(Row(impl, attn, args.shape, seq, sample_len, args.microbatches,
+                            status=f"error: {type(err).__name__}: {err}"))
+        if rank == 0:
+            print(f"bench_train row: {rows[-1].line()}", flush=True)
+        free()
     n_params = matmul_params(cfg)
     size = f"{n_params / 1e9:.3f} B" if n_params >= 1e9 else f"{n_params / 1e6:.2f} M"
     header = (f"bench_train: {args.shape} ({size} matmul params), "

@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
-# The checks for one lent GPU (a single device, minutes of time), in order of importance.
+# The checks for one lent GPU (a single device, minutes of time), in one call, then one table.
 #
-#   bash tools/gpu_session.sh smoke quickstart        # what a first call runs
-#   bash tools/gpu_session.sh bench                    # speed and memory of the local spec
+#   bash tools/gpu_session.sh                    # smoke bench quickstart (under 9 minutes on an H200)
+#   bash tools/gpu_session.sh bench long         # the training benchmark, then the long-context one
 #
-# smoke       tools/gpu_smoke.py on one GPU (logits vs HF, train step, offload/onload, NCCL).
+# smoke       tools/gpu_smoke.py on one GPU: logits vs HF, train step, offload/onload, the local
+#             attention's varlen kernel vs blockwise (CP=1 and CP=2 emulated), NCCL.
+# bench       tools/bench_train.py, local spec, bf16: Qwen2.5 0.5b / 1.5b / 3b shapes at 4k and 16k
+#             tokens per micro-batch (varlen attention; 0.5b also blockwise at 4k), a kernel profile
+#             of the 1.5b steps.
+# long        tools/bench_long_context.py (one 16k / 32k sequence, CP=1).
 # quickstart  the DAPO quickstart end to end on one GPU (SFT, evals, 10 RL steps; NCCL, fp32).
-# bench       tools/bench_train.py (0.5b shape, local spec, 2 micro-batches of 4k/16k tokens) and
-#             tools/bench_long_context.py (one sequence of 16k/32k tokens, CP=1).
-# Timings of all three on one H100 (2026-11-26): README, "What is verified where".
-# Logs and JSON go to $OUT (default ./gpu_out). Wheels in .whl/ (megatron-core and megarl's
-# pure-Python needs missing from the machine's image) are installed to /tmp/site first.
+# Logs and JSON go to $OUT (default ./gpu_out); the last thing printed is tools/gpu_report.py's table.
+# Wheels in .whl/ (megatron-core and megarl's pure-Python needs missing from the machine's image)
+# are installed to /tmp/site first.
 set -u
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
@@ -22,32 +25,51 @@ if [ -d .whl ] && ! $PY -c "import megatron.core" 2>/dev/null; then
     export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 $PY -c "import torch, transformers, megatron.core as m; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(),
-'transformers', transformers.__version__, 'megatron-core', m.__version__)"
-command -v nvidia-smi >/dev/null && nvidia-smi -L
+'transformers', transformers.__version__, 'megatron-core', m.__version__)" | tee "$OUT/versions.txt"
+if command -v nvidia-smi >/dev/null; then nvidia-smi -L | tee "$OUT/device.txt"; fi
+[ $# -gt 0 ] || set -- smoke bench quickstart
+
+bench() {  # bench SHAPE SECONDS ARGS...: one bench_train run, its rows in $OUT/bench_SHAPE*.json
+    local shape=$1 limit=$2 tag=$1
+    shift 2
+    case "$*" in *blockwise*) tag=$shape-blockwise ;; esac
+    timeout "$limit" $PY tools/bench_train.py --shape "$shape" --impl local --steps 2 --json "$OUT/bench_$tag.json" "$@" \
+        2>&1 | grep -v -i warn | tee "$OUT/bench_$tag.log"
+    return "${PIPESTATUS[0]}"
+}
 
 rc=0
 for what in "$@"; do
     start=$SECONDS
     case $what in
     smoke)
-        timeout 240 $PY tools/gpu_smoke.py --json "$OUT/smoke.json" --verbose 2>&1 | tee "$OUT/smoke.log"
+        timeout 130 $PY tools/gpu_smoke.py --skip sglang,fp8,logits_te,train_te,cp2 --json "$OUT/smoke.json" --verbose \
+            2>&1 | tee "$OUT/smoke.log"
+        status=${PIPESTATUS[0]}
+        ;;
+    bench)
+        status=0
+        bench 1.5b 110 --seq 4096,16384 --microbatches 4 --profile 25 || status=1
+        bench 0.5b 60 --seq 4096,16384 --microbatches 4 || status=1
+        bench 3b 90 --seq 4096,16384 --microbatches 2 || status=1
+        bench 0.5b 45 --seq 4096 --microbatches 4 --attn blockwise || status=1
+        ;;
+    long)
+        timeout 60 $PY tools/bench_long_context.py --lengths 16384 32768 --cp 1 2>&1 | grep -v -i warn \
+            | tee "$OUT/long_context.log"
+        status=${PIPESTATUS[0]}
         ;;
     quickstart)
         rm -rf /tmp/qs_gpu
-        timeout 300 $PY -m megarl.cli quickstart --nproc 1 parallel.tp=1 trainer.total_steps=10 \
+        timeout 140 $PY -m megarl.cli quickstart --nproc 1 parallel.tp=1 trainer.total_steps=10 \
             trainer.eval_interval=10 trainer.save_interval=10 trainer.run_dir=/tmp/qs_gpu 2>&1 | tee "$OUT/quickstart.log"
+        status=${PIPESTATUS[0]}
         cp /tmp/qs_gpu/metrics.jsonl "$OUT/quickstart_metrics.jsonl" 2>/dev/null
-        ;;
-    bench)
-        timeout 150 $PY tools/bench_train.py --shape 0.5b --seq 4096,16384 --steps 2 --microbatches 2 --impl local \
-            --json "$OUT/bench_train.json" 2>&1 | grep -v -i warn | tee "$OUT/bench_train.log"
-        timeout 90 $PY tools/bench_long_context.py --lengths 16384 32768 --cp 1 2>&1 | grep -v -i warn \
-            | tee "$OUT/long_context.log"
         ;;
     *) echo "unknown check: $what"; exit 2 ;;
     esac
-    status=${PIPESTATUS[0]}
     echo "== $what: exit $status in $((SECONDS - start)) s"
     [ "$status" = 0 ] || rc=1
 done
+$PY tools/gpu_report.py "$OUT" | tee "$OUT/report.md"
 exit $rc

@@ -16,9 +16,17 @@ Checks, in order (names for --only / --skip):
   train_local   TrainModel (megarl/trainer/train_model.py) on the packed path, local spec / TE spec
   train_te      (THD): one forward_only (log-probs vs HF, masked positions 0) and one train_step
                 (finite loss and grad norm, weights change, the batch's log-likelihood goes up).
+  attn_kernels  the local attention's fast kernel (varlen on CUDA in bf16, sdpa on CPU) against its
+                blockwise path: kernel outputs / gradients and the tiny model's logits / weight
+                gradients, each vs the float32 blockwise model (tools/gpu_attention.py); the time of
+                a forward + backward of both kernels (16k tokens on CUDA).
+  attn_cp2      CP=2 emulated on one GPU: each rank's query chunks through varlen over their prefix
+                keys equal those rows of the whole row's attention, gradients included. CUDA only.
   offload       TrainModel.offload() -> onload(): every parameter and optimizer tensor (main params,
                 Adam moments) is bit-identical, offload freed GPU memory, and the next train_step
-                still changes the weights and matches a twin model that never offloaded. CUDA only.
+                still changes the weights and matches a twin model that never offloaded. The same
+                for offload_optimizer=true (HybridDeviceOptimizer): after each offload -> onload ->
+                train_step the next forward reads updated weights. CUDA only.
   nccl          all_reduce, all_gather_into_tensor, broadcast and a send/recv ring on device tensors
                 over the default (nccl) group, values checked; all_reduce bus bandwidth. CUDA only.
   sglang        make_engine("sglang", load_format="dummy").start() -> update_weights(
@@ -26,6 +34,10 @@ Checks, in order (names for --only / --skip):
                 ["weights"]) -> update_weights -> resume_memory() -> greedy again (identical) ->
                 sampled generate (T=1): mean |engine logprob - trainer logprob| (bf16 trainer,
                 megatron_forward_logits) under --tol-logprob. --sglang-tp N: one engine per N ranks.
+                MoE (routing replay): an engine started with routed-experts return on a tiny random
+                Qwen3-MoE (and on the check's model, were it MoE) reads back every sample's experts:
+                [prompt + response, num_hidden_layers, num_experts_per_tok] as the config says, and
+                HF's fp32 top-k on >= 80% of (token, layer) pairs (tools/sglang_routing_check.py).
                 Skipped when sglang is not importable or there is no CUDA.
   fp8           TrainModel with model_options fp8="hybrid" (delayed recipe), TE THD path, bf16
                 params: forward_only vs HF and a train_step, as train_te. Needs TE, CUDA, sm >= 89.
@@ -380,7 +392,10 @@ def run_train_check(ctx: Ctx, impl: str, dtype: str, tol: float, model_options: 
 
 
 def run_offload_check(ctx: Ctx) -> str:
-    """Item 4: offload -> onload bit-identical; the next train_step still works (vs a twin)."""
+    """Item 4: offload -> onload bit-identical; the next train_step still works (vs a twin). Then
+    offload_optimizer=true (megatron's HybridDeviceOptimizer: Adam on the CPU, updating views of
+    DDP's parameter buffer): after each offload -> onload -> train_step the next forward must read
+    the updated weights, which must match a twin that never offloaded."""
     import torch
 
     impl = "transformer_engine" if ctx.te else "local"
@@ -418,9 +433,49 @@ def run_offload_check(ctx: Ctx) -> str:
     if rel > ctx.args.tol_offload_rel:
         raise CheckFailed(f"after onload + step the weights differ from a never-offloaded twin: "
                           f"|dW| / |update| = {_fmt(rel)} > {ctx.args.tol_offload_rel}")
-    return (f"{impl}, bf16: {len(params0)} params + {len(optim0)} optimizer tensors bit-identical; "
-            f"offload freed {freed / 2**20:.1f} MiB; next step max|dW| {_fmt(moved)}, "
-            f"vs twin |dW|/|update| {_fmt(rel)}")
+    detail = (f"{impl}, bf16: {len(params0)} params + {len(optim0)} optimizer tensors bit-identical; "
+              f"offload freed {freed / 2**20:.1f} MiB; next step max|dW| {_fmt(moved)}, "
+              f"vs twin |dW|/|update| {_fmt(rel)}")
+    import dataclasses
+
+    from megarl.trainer.train_model import TrainModel
+    from megarl.weights import load_hf_weights
+
+    del a, b
+    _free_memory()
+    hybrid = []
+    for _ in range(2):
+        m = TrainModel(hf_config(ctx), dataclasses.replace(optim_config(1e-2), offload_optimizer=True), dtype="bf16",
+                       impl=impl, total_steps=10, seed=0)
+        load_hf_weights(m.chunks, tiny_model_dir(ctx))
+        m.optimizer.reload_model_params()
+        hybrid.append(m)
+    h, h_twin = hybrid
+    h_start = param_snapshot(h_twin)
+    for m in hybrid:  # Adam state exists (on the CPU)
+        m.train_step(batch, loss)
+    mask = batch.response_mask
+    gains = []
+    for _ in range(2):  # two rollouts: the second round trip also carries Adam state
+        h.offload()
+        h.onload()
+        logp0 = forward_logprobs(h, make_batch(trajectories()))
+        h.train_step(batch, loss)
+        h_twin.train_step(batch, loss)
+        logp1 = forward_logprobs(h, make_batch(trajectories()))
+        gains.append(float(((logp1 - logp0) * mask).abs().max()))
+        if gains[-1] == 0.0:
+            raise CheckFailed("offload_optimizer=true: after offload -> onload -> train_step the next forward "
+                              "reads the old weights (the update never reached DDP's parameter buffer)")
+    h_params, h_twin_params = param_snapshot(h), param_snapshot(h_twin)
+    num = sum(float((h_params[k].float() - h_twin_params[k].float()).norm()) ** 2 for k in h_twin_params) ** 0.5
+    den = sum(float((h_twin_params[k].float() - h_start[k].float()).norm()) ** 2 for k in h_twin_params) ** 0.5
+    h_rel = num / max(den, 1e-30)
+    if h_rel > ctx.args.tol_offload_rel:
+        raise CheckFailed(f"offload_optimizer=true: after offload/onload + steps the weights differ from a "
+                          f"never-offloaded twin: |dW| / |update| = {_fmt(h_rel)} > {ctx.args.tol_offload_rel}")
+    return (detail + f"; offload_optimizer=true: forward after each round trip + step moved max|dlogp| "
+            f"{', '.join(_fmt(g) for g in gains)}, vs twin |dW|/|update| {_fmt(h_rel)}")
 
 
 # ================================================================================ checks
@@ -620,7 +675,9 @@ def check_sglang(ctx: Ctx) -> str:
             kwargs[key] = json.loads(value)
         except json.JSONDecodeError:
             kwargs[key] = value
-    engine = make_engine("sglang", **kwargs)
+    routing = _sglang_routing_module()
+    moe = routing.moe_shape(cfg)  # an MoE model: the engine returns routed experts (routing replay)
+    engine = make_engine("sglang", **kwargs, return_routed_experts=moe is not None)
     t0 = time.perf_counter()
     engine.start()
     t_start = time.perf_counter() - t0
@@ -676,7 +733,47 @@ def check_sglang(ctx: Ctx) -> str:
               f"{_fmt(mean_diff)} max {_fmt(max_diff)} over {d.numel()} tokens (tol {args.tol_logprob})")
     if not mean_diff < args.tol_logprob:
         raise CheckFailed(detail)
+    try:
+        if moe is not None:
+            detail += "; " + routing.verdict(first + second + sampled, moe, tiny_model_dir(ctx))
+        detail += "; tiny Qwen3-MoE: " + _sglang_moe_routing(ctx, kwargs)
+    except ValueError as err:
+        raise CheckFailed(f"{detail}; {err}") from err
     return detail
+
+
+def _sglang_routing_module():
+    tools = str(Path(__file__).resolve().parent)
+    if tools not in sys.path:
+        sys.path.insert(0, tools)
+    import sglang_routing_check
+
+    return sglang_routing_check
+
+
+def _sglang_moe_routing(ctx: Ctx, kwargs: dict) -> str:
+    """The sglang check's MoE part (tools/sglang_routing_check.py): an engine with routed-experts
+    return on a tiny random Qwen3-MoE (its own weights, load_format auto) generates greedy and
+    sampled FIRE samples (two calls each); their routed_experts must have the model config's
+    shape and agree with HF's fp32 top-k. ValueError when they do not."""
+    from megarl.rollout.checkpoint import read_config
+    from megarl.rollout.registry import make_engine
+    from megarl.rollout.types import SamplingParams
+
+    routing = _sglang_routing_module()
+    path = routing.tiny_moe_dir(ctx.work / f"tiny-qwen3-moe-rank{ctx.rank}")
+    shape = routing.moe_shape(read_config(path))
+    engine = make_engine("sglang", **dict(kwargs, model_path=str(path), load_format="auto"),
+                         return_routed_experts=True)
+    engine.start()
+    try:
+        prompts = [t.prompt_ids for t in trajectories(4, seed=2)]
+        samples = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=16))
+        samples += engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=24, seed=2,
+                                                           fire=True))
+    finally:
+        engine.shutdown()
+    return routing.verdict(samples, shape, path)
 
 
 def check_fp8(ctx: Ctx) -> str:
@@ -736,6 +833,81 @@ def check_cp2(ctx: Ctx) -> str:
     return detail
 
 
+def _attention_model_outputs(ctx: Ctx, kernel: str, dtype: str):
+    """Logits of three packed sequences and the gradient of sum(logits * w) over every weight, for
+    the tiny model with the local attention forced to `kernel`."""
+    import torch
+
+    from megarl.models.attention_kernels import forced_kernel
+    from megarl.models.forward import packed_forward
+
+    seqs = [probe_ids(batch=1, seq=n, seed=n)[0] for n in (37, 128, 5)]
+    with forced_kernel(kernel):
+        chunks = megatron_model(ctx, "local", dtype)
+        logits = packed_forward(chunks, seqs, grad=True)
+        gen = torch.Generator().manual_seed(0)
+        loss = sum((out * torch.randn(out.shape, generator=gen).to(out.device)).sum() for out in logits)
+        loss.backward()
+        grads = torch.cat([p.grad.float().reshape(-1) for c in chunks for p in c.parameters() if p.grad is not None])
+    out = torch.cat([o.detach().float().reshape(-1) for o in logits])
+    del chunks
+    _free_memory()
+    return out, grads
+
+
+def check_attn_kernels(ctx: Ctx) -> str:
+    """The local attention's fast kernel (varlen on CUDA in bf16, sdpa on CPU in fp32) against its
+    blockwise path: kernel outputs and gradients (tools/gpu_attention.kernel_check), then the tiny
+    model's logits and weight gradients, each against the float32 blockwise model. On CUDA the fast
+    kernel must be no less exact than blockwise in bf16 (error <= 2x blockwise's + 1e-3); on CPU
+    sdpa must equal blockwise (relative < --tol-attn-fp32)."""
+    ctx.need_dist()
+    from megarl.models.attention_kernels import varlen_function
+    from tools.gpu_attention import kernel_check
+
+    if ctx.cuda and varlen_function() is None:
+        raise Skip("this torch has no torch.nn.attention.varlen")
+    k = kernel_check("cuda" if ctx.cuda else "cpu")
+    fast = k["fast"]
+    ref_logits, ref_grads = _attention_model_outputs(ctx, "blockwise", "fp32")
+    errs = {f"kernel_{key}": val for key, val in k.items() if key.endswith(("_out", "_dq", "_dk", "_dv"))}
+    dtype = "bf16" if ctx.cuda else "fp32"
+    for kernel in (fast, "blockwise"):
+        logits, grads = _attention_model_outputs(ctx, kernel, dtype)
+        errs[f"model_{kernel}_logits"] = float((logits - ref_logits).norm() / ref_logits.norm())
+        errs[f"model_{kernel}_grads"] = float((grads - ref_grads).norm() / ref_grads.norm())
+    detail = (", ".join(f"{key} {_fmt(v)}" for key, v in errs.items()) +
+              f"; {k['row_tokens']}-token fwd+bwd {fast} {k[fast + '_ms']:.1f} ms, blockwise {k['blockwise_ms']:.1f} ms")
+    bad = []
+    for key, val in errs.items():
+        if fast not in key:
+            continue
+        twin = errs[key.replace(fast, "blockwise")]
+        limit = 2 * twin + 1e-3 if ctx.cuda else ctx.args.tol_attn_fp32
+        if not math.isfinite(val) or val > limit:
+            bad.append(f"{key} {_fmt(val)} > {_fmt(limit)}")
+    if bad:
+        raise CheckFailed("; ".join(bad) + " | " + detail)
+    return detail
+
+
+def check_attn_cp2(ctx: Ctx) -> str:
+    """Context parallelism 2 emulated on one GPU: each CP rank's query chunks through the varlen
+    kernel over their prefixes' keys equal those rows of the whole row's attention
+    (tools/gpu_attention.cp_check; relative error, gradients included, < --tol-attn-bf16)."""
+    ctx.need_cuda()
+    from megarl.models.attention_kernels import varlen_function
+    from tools.gpu_attention import cp_check
+
+    if varlen_function() is None:
+        raise Skip("this torch has no torch.nn.attention.varlen")
+    errs = cp_check()
+    detail = ", ".join(f"{key} {_fmt(v)}" for key, v in errs.items()) + f" (tol {ctx.args.tol_attn_bf16})"
+    if not all(math.isfinite(v) and v < ctx.args.tol_attn_bf16 for v in errs.values()):
+        raise CheckFailed(detail)
+    return detail
+
+
 @dataclass(frozen=True)
 class Check:
     name: str
@@ -748,6 +920,8 @@ CHECKS: list[Check] = [
     Check("logits_local", check_logits_local, False),
     Check("logits_te", check_logits_te, True),
     Check("train_local", check_train_local, False),
+    Check("attn_kernels", check_attn_kernels, False),
+    Check("attn_cp2", check_attn_cp2, True),
     Check("train_te", check_train_te, True),
     Check("offload", check_offload, True),
     Check("nccl", check_nccl, True),
@@ -861,6 +1035,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="|W(offloaded) - W(twin)| / |W(twin) - W(start)| after the next step")
     p.add_argument("--tol-logprob", type=float, default=0.1, help="mean |engine - trainer logprob| (bf16)")
     p.add_argument("--tol-cp", type=float, default=0.1, help="mean |CP=2 - CP=1| logits / log-probs (bf16)")
+    p.add_argument("--tol-attn-fp32", type=float, default=1e-5,
+                   help="relative |sdpa - blockwise| (CPU, fp32): kernel outputs, gradients, model logits and grads")
+    p.add_argument("--tol-attn-bf16", type=float, default=2e-2,
+                   help="relative |varlen CP chunks - float32 rows| (CUDA, bf16)")
     p.add_argument("--tol-fp8", type=float, default=0.5, help="mean |logprob diff| fp8 forward_only vs HF fp32")
     p.add_argument("--sglang-tp", type=int, default=1, help="SGLang engine TP size (ranks per engine)")
     p.add_argument("--sglang-mem-fraction", type=float, default=0.3, help="SGLang mem_fraction_static")

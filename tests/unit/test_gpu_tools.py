@@ -16,8 +16,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 REPO = Path(__file__).resolve().parents[2]
-CPU_CHECKS = {"imports", "logits_local", "train_local"}
-GPU_CHECKS = {"logits_te", "train_te", "offload", "nccl", "sglang", "fp8", "cp2"}
+CPU_CHECKS = {"imports", "logits_local", "train_local", "attn_kernels"}
+GPU_CHECKS = {"logits_te", "train_te", "offload", "nccl", "sglang", "fp8", "cp2", "attn_cp2"}
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
                                 reason="CPU expectations (on a GPU node run tools/gpu_smoke.py itself)")
@@ -46,6 +46,10 @@ def test_gpu_smoke_on_cpu(tmp_path):
     diff = float(re.search(r"max\|megatron - HF\| (\S+)", details["logits_local"]).group(1))
     assert diff < 1e-3
     assert re.search(r"mean logp after the step \+\d", details["train_local"]), details["train_local"]
+    # CPU: the sdpa kernel equals the blockwise path (kernel outputs, gradients, model logits and grads)
+    errors = dict(re.findall(r"(\w+_sdpa\w*|model_sdpa_\w+) ([0-9.e+-]+)", details["attn_kernels"]))
+    assert {"kernel_sdpa_out", "kernel_sdpa_dq", "model_sdpa_logits", "model_sdpa_grads"} <= set(errors), details
+    assert all(float(v) < 1e-5 for v in errors.values()), errors
 
 
 def _load_tool(name: str):
@@ -78,7 +82,7 @@ def test_bench_train_tiny_on_cpu(tmp_path):
     proc = _run(["tools/bench_train.py", "--shape", "tiny", "--seq", "128", "--steps", "1",
                  "--json", str(out)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    line = re.search(r"^bench impl=local shape=tiny seq=128 .*$", proc.stdout, flags=re.M)
+    line = re.search(r"^bench impl=local attn=auto shape=tiny seq=128 .*$", proc.stdout, flags=re.M)
     assert line, proc.stdout
     tokens_per_s = float(re.search(r"tokens_per_s=([0-9.]+)", line.group(0)).group(1))
     assert tokens_per_s > 0
@@ -97,3 +101,29 @@ def test_bench_flops_formula():
     # one 4096-token sequence: 6 P N + 12 layers (heads * head_dim) N^2
     assert bench.step_flops(cfg, [4096], True) == 6.0 * 493_961_216 * 4096 + 12.0 * 24 * 896 * 4096**2
     assert bench.step_flops(cfg, [4096], False) == bench.step_flops(cfg, [4096], True) / 3
+
+
+def test_gpu_report_table(tmp_path):
+    """tools/gpu_report.py turns a session's smoke JSON, bench rows and quickstart line into one table."""
+    (tmp_path / "smoke.json").write_text(json.dumps({"results": [
+        {"name": "attn_cp2", "status": "PASS", "detail": "varlen_cp_out 0.004", "seconds": 1.0}]}))
+    (tmp_path / "bench_1.5b.json").write_text(json.dumps({"rows": [
+        {"shape": "1.5b", "impl": "local", "attn": "auto", "seq": 4096, "microbatches": 4, "status": "ok",
+         "mfu": 0.3512, "step_s": 0.5, "tokens_per_s": 32768.0, "tflops": 347.3, "logprob_mfu": 0.2,
+         "peak_mem_gib": 40.0},
+        {"shape": "3b", "impl": "local", "attn": "auto", "seq": 16384, "microbatches": 2, "status": "OOM"}]}))
+    (tmp_path / "quickstart.log").write_text("x\nquickstart: accuracy_before=0.175 accuracy_after=0.81 wall_s=101.0 run_dir=/q\n")
+    (tmp_path / "device.txt").write_text("GPU 0: NVIDIA H200\n")
+    report = _load_tool("gpu_report")
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert report.main([str(tmp_path)]) == 0
+    text = buf.getvalue()
+    assert "GPU session: GPU 0: NVIDIA H200" in text
+    assert "| smoke `attn_cp2` | PASS | varlen_cp_out 0.004 |" in text
+    assert "| bench 1.5b local/auto 4096 tok x 4 mb | MFU 35.1% | step 0.500 s, 32,768 tok/s, 347 TFLOP/s" in text
+    assert "| bench 3b local/auto 16384 tok x 2 mb | OOM | |" in text
+    assert "after SFT 0.175, after RL 0.81 | wall 101.0 s |" in text
