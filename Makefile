@@ -22,9 +22,9 @@ test: $(STAMP)
 	$(VENV)/bin/pytest tests
 
 bench: $(STAMP)
-	$(VENV)/bin/python tools/bench_algorithms.py
-	$(VENV)/bin/python tools/bench_rollout.py
-	$(VENV)/bin/python tools/bench_rewards.py
+	$(VENV)/bin/python -m tools.bench.algorithms
+	$(VENV)/bin/python -m tools.bench.rollout
+	$(VENV)/bin/python -m tools.bench.rewards
 
 clean:
 	rm -rf $(VENV) runs

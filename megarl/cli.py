@@ -4,26 +4,18 @@
     megarl sft --config ... [key=value ...]                      (run under torchrun)
     megarl quickstart [--nproc 2] [key=value ...]                (spawns its own torchrun)
     megarl config [--config ...] [--explain FIELD]
+    megarl convert hf-to-megatron | megatron-to-hf | verify ...  (HF <-> torch_dist checkpoints)
+    megarl plan --recipe R --layout L [--gpu h100|h200] ...      (per-GPU memory and step time)
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from pathlib import Path
 
-
-def _setup_logging() -> None:
-    rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format=f"[rank{rank}] %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("megatron").setLevel(logging.WARNING)  # per-bucket / optimizer-config dumps
-    if rank != 0:
-        import warnings
-
-        warnings.filterwarnings("ignore")
+from megarl.log import setup_logging
 
 
 def _load(args):
@@ -51,6 +43,14 @@ def main(argv: list[str] | None = None) -> int:
         from megarl.quickstart import launch
 
         return launch(rest)
+    if cmd == "convert":
+        from megarl.convert.cli import main as convert_main
+
+        return convert_main(rest)
+    if cmd == "plan":
+        from megarl.planner.cli import main as plan_main
+
+        return plan_main(rest)
     if cmd not in ("train", "sft"):
         print(f"unknown command {cmd!r}\n{__doc__}", file=sys.stderr)
         return 2
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"megarl {cmd}")
     add_config_arguments(parser)
     args = parser.parse_args(rest)
-    _setup_logging()
+    setup_logging()
     try:
         cfg = _load(args)
     except ConfigError as e:

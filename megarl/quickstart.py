@@ -35,6 +35,9 @@ import sys
 import time
 from pathlib import Path
 
+from megarl.log import setup_logging
+from megarl.parallel.launch import torchrun_command
+
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "quickstart" / "dapo.yaml"
 
 
@@ -46,27 +49,15 @@ def launch(argv: list[str]) -> int:
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=10")
     a = p.parse_args(argv)
     configs = a.config or [str(DEFAULT_CONFIG)]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(a.nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m", "megarl.quickstart"]
-    for c in configs:
-        cmd += ["--config", c]
+    argv = [arg for c in configs for arg in ("--config", c)] + a.overrides
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                PYTHONWARNINGS=os.environ.get("PYTHONWARNINGS", "ignore"))
-    return subprocess.call(cmd + a.overrides, env=env)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return subprocess.call(torchrun_command(a.nproc, "megarl.quickstart", argv), env=env)
 
 
 def worker(argv: list[str]) -> None:
     import torch.distributed as dist
 
-    from megarl.cli import _setup_logging
     from megarl.config import save_config
     from megarl.config.cli import add_config_arguments, config_from_args
     from megarl.parallel.distributed import destroy_distributed, init_distributed, phase
@@ -76,7 +67,7 @@ def worker(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="python -m megarl.quickstart")
     add_config_arguments(p)
     cfg = config_from_args(p.parse_args(argv))
-    _setup_logging()
+    setup_logging()
     run = Path(cfg.trainer.run_dir).resolve()
     cfg.trainer.run_dir = str(run)
     init_distributed(cfg.parallel, seed=cfg.trainer.seed)

@@ -1,7 +1,7 @@
 """First-GPU-node smoke test: does this machine run megarl's GPU paths correctly?
 
-    python tools/gpu_smoke.py                               # one process (one GPU, or CPU)
-    torchrun --nproc-per-node 8 tools/gpu_smoke.py          # 1..8 GPUs of one node
+    python -m tools.gpu_smoke                               # one process (one GPU, or CPU)
+    torchrun --nproc-per-node 8 -m tools.gpu_smoke          # 1..8 GPUs of one node
         [--only a,b] [--skip a,b] [--json results.json] [--require te,sglang] [--keep]
 
 Checks, in order (names for --only / --skip):
@@ -18,7 +18,7 @@ Checks, in order (names for --only / --skip):
                 (finite loss and grad norm, weights change, the batch's log-likelihood goes up).
   attn_kernels  the local attention's fast kernel (varlen on CUDA in bf16, sdpa on CPU) against its
                 blockwise path: kernel outputs / gradients and the tiny model's logits / weight
-                gradients, each vs the float32 blockwise model (tools/gpu_attention.py); the time of
+                gradients, each vs the float32 blockwise model (tools/smoke/attention.py); the time of
                 a forward + backward of both kernels (16k tokens on CUDA).
   attn_cp2      CP=2 emulated on one GPU: each rank's query chunks through varlen over their prefix
                 keys equal those rows of the whole row's attention, gradients included. CUDA only.
@@ -37,7 +37,7 @@ Checks, in order (names for --only / --skip):
                 MoE (routing replay): an engine started with routed-experts return on a tiny random
                 Qwen3-MoE (and on the check's model, were it MoE) reads back every sample's experts:
                 [prompt + response, num_hidden_layers, num_experts_per_tok] as the config says, and
-                HF's fp32 top-k on >= 80% of (token, layer) pairs (tools/sglang_routing_check.py).
+                HF's fp32 top-k on >= 80% of (token, layer) pairs (tools/smoke/sglang_routing.py).
                 Skipped when sglang is not importable or there is no CUDA.
   fp8           TrainModel with model_options fp8="hybrid" (delayed recipe), TE THD path, bf16
                 params: forward_only vs HF and a train_step, as train_te. Needs TE, CUDA, sm >= 89.
@@ -73,7 +73,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 
@@ -743,20 +742,17 @@ def check_sglang(ctx: Ctx) -> str:
 
 
 def _sglang_routing_module():
-    tools = str(Path(__file__).resolve().parent)
-    if tools not in sys.path:
-        sys.path.insert(0, tools)
-    import sglang_routing_check
+    from tools.smoke import sglang_routing
 
-    return sglang_routing_check
+    return sglang_routing
 
 
 def _sglang_moe_routing(ctx: Ctx, kwargs: dict) -> str:
-    """The sglang check's MoE part (tools/sglang_routing_check.py): an engine with routed-experts
+    """The sglang check's MoE part (tools/smoke/sglang_routing.py): an engine with routed-experts
     return on a tiny random Qwen3-MoE (its own weights, load_format auto) generates greedy and
     sampled FIRE samples (two calls each); their routed_experts must have the model config's
     shape and agree with HF's fp32 top-k. ValueError when they do not."""
-    from megarl.rollout.checkpoint import read_config
+    from megarl.weights.hf_reader import read_config
     from megarl.rollout.registry import make_engine
     from megarl.rollout.types import SamplingParams
 
@@ -857,13 +853,13 @@ def _attention_model_outputs(ctx: Ctx, kernel: str, dtype: str):
 
 def check_attn_kernels(ctx: Ctx) -> str:
     """The local attention's fast kernel (varlen on CUDA in bf16, sdpa on CPU in fp32) against its
-    blockwise path: kernel outputs and gradients (tools/gpu_attention.kernel_check), then the tiny
+    blockwise path: kernel outputs and gradients (tools/smoke/attention.kernel_check), then the tiny
     model's logits and weight gradients, each against the float32 blockwise model. On CUDA the fast
     kernel must be no less exact than blockwise in bf16 (error <= 2x blockwise's + 1e-3); on CPU
     sdpa must equal blockwise (relative < --tol-attn-fp32)."""
     ctx.need_dist()
     from megarl.models.attention_kernels import varlen_function
-    from tools.gpu_attention import kernel_check
+    from tools.smoke.attention import kernel_check
 
     if ctx.cuda and varlen_function() is None:
         raise Skip("this torch has no torch.nn.attention.varlen")
@@ -894,10 +890,10 @@ def check_attn_kernels(ctx: Ctx) -> str:
 def check_attn_cp2(ctx: Ctx) -> str:
     """Context parallelism 2 emulated on one GPU: each CP rank's query chunks through the varlen
     kernel over their prefixes' keys equal those rows of the whole row's attention
-    (tools/gpu_attention.cp_check; relative error, gradients included, < --tol-attn-bf16)."""
+    (tools/smoke/attention.cp_check; relative error, gradients included, < --tol-attn-bf16)."""
     ctx.need_cuda()
     from megarl.models.attention_kernels import varlen_function
-    from tools.gpu_attention import cp_check
+    from tools.smoke.attention import cp_check
 
     if varlen_function() is None:
         raise Skip("this torch has no torch.nn.attention.varlen")

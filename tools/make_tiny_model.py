@@ -1,6 +1,6 @@
 """Make the quickstart's tiny Qwen2 model (random init) and, optionally, its arithmetic task data.
 
-    .venv/bin/python tools/make_tiny_model.py --out runs/tiny-qwen2 \
+    .venv/bin/python -m tools.make_tiny_model --out runs/tiny-qwen2 \
         [--layers 3 --hidden 128 --heads 4 --kv-heads 2 --intermediate 384 --seed 0] \
         [--task-dir runs/arith --digits 3 --n-sft 20000 --n-train 5000 --n-eval 500]
 
@@ -12,10 +12,7 @@ offline. With --task-dir also writes sft.jsonl / train.jsonl / eval.jsonl (`mega
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megarl.tasks.arith import write_task_files  # noqa: E402
 from megarl.tasks.tiny_model import TinyModelSpec, save_tiny_model  # noqa: E402

@@ -1,7 +1,7 @@
-"""Pre-PPO prompt selection (ALGORITHMS.md §7): score candidate prompts with the policy's own
+"""Pre-PPO prompt selection (docs/algorithms.md §7): score candidate prompts with the policy's own
 samples and the reward routes, keep the hardest after per-domain normalisation.
 
-    python tools/select_prompts.py --hf MODEL_DIR --candidates new.jsonl --out selected.jsonl \
+    python -m tools.select_prompts --hf MODEL_DIR --candidates new.jsonl --out selected.jsonl \
         [--config RECIPE.yaml ...] [--samples 8] [--fraction 0.1] [--merge-with train.jsonl] \
         [--batch-prompts 32] [key=value ...]
 
@@ -25,7 +25,6 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def parse_args(argv=None):

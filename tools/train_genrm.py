@@ -1,6 +1,6 @@
 """Train a pairwise generative reward model (Pairwise-RL judge) with megarl's SFT path and export it.
 
-    python tools/train_genrm.py --config configs/quickstart/pairwise_rl.yaml \\
+    python -m tools.train_genrm --config configs/quickstart/pairwise_rl.yaml \\
         --train-pairs runs/x/task/judge_train.jsonl --eval-pairs runs/x/task/judge_eval.jsonl \\
         --init runs/x/sft_actor --out runs/x/judge [--nproc 2] [key=value ...]
 
@@ -21,7 +21,6 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -38,12 +37,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megarl.cli import _setup_logging
+    from megarl.log import setup_logging
     from megarl.config.cli import config_from_args
     from megarl.parallel.distributed import destroy_distributed
     from megarl.trainer.genrm_train import train_pairwise_judge
 
-    _setup_logging()
+    setup_logging()
     cfg = config_from_args(args)
     if not cfg.model.hf_path:
         raise SystemExit("tools/train_genrm.py: model.hf_path (the judge's architecture and tokenizer) is not set")
@@ -64,9 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     nproc = args.nproc or config_from_args(args).parallel.tp
     if nproc == 1:
         return run(args)
-    from tools.convert_checkpoint import launch_torchrun
+    from megarl.parallel.launch import run_module
 
-    return launch_torchrun(nproc, argv, script=__file__)
+    return run_module(nproc, "tools.train_genrm", argv)
 
 
 if __name__ == "__main__":

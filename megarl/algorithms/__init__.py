@@ -1,4 +1,4 @@
-"""megarl.algorithms: the mathematics of every method in ALGORITHMS.md as pure tensor functions.
+"""megarl.algorithms: the mathematics of every method in docs/algorithms.md as pure tensor functions.
 
 No torch.distributed, no megatron. Shapes: B sequences x T response tokens, `mask` [B, T] is 1 on
 tokens that count. Normalisation that must be global takes explicit `global_tokens`/`global_seqs`.

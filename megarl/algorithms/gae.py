@@ -6,7 +6,7 @@ response tokens). Outputs are float32 (float64 if the inputs are), and 0 at mask
 Advantages are raw: whitening is a separate step (`masked.masked_whiten`). Everything here runs
 under torch.no_grad(): advantages and returns are constants (targets) for the losses.
 
-Masked positions (verl semantics, ALGORITHMS §1.3): the backward recursion skips them: where
+Masked positions (verl semantics, docs/algorithms.md §1.3): the backward recursion skips them: where
 m_t = 0 the running `nextvalue` and `lastgaelam` pass through unchanged, so neither the value nor
 the reward at a masked position enters any advantage. Equivalently GAE runs on the subsequence of
 masked-in tokens: delta_t = r_t + gamma*V_next(t) - V_t, with V_next(t) the value at the next
@@ -33,7 +33,7 @@ def _check(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
 
 
 def length_adaptive_lambda(lengths: torch.Tensor, alpha: float = 0.05) -> torch.Tensor:
-    """VAPO length-adaptive lambda (ALGORITHMS §4): lam_i = 1 - 1/(alpha * l_i), clamped to [0, 1).
+    """VAPO length-adaptive lambda (docs/algorithms.md §4): lam_i = 1 - 1/(alpha * l_i), clamped to [0, 1).
 
     l_i is response i's own valid length in tokens (not the padded length). For alpha*l <= 1
     (l <= 20 at alpha = 0.05) the formula is <= 0 and is clamped to 0 ([NS→C]); the upper clamp to
@@ -120,14 +120,14 @@ def compute_gae(
     bootstrap_values: torch.Tensor | None = None,
     turn_starts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation (ALGORITHMS §1.3). Returns (advantages, returns), [B, T] each.
+    """Generalised advantage estimation (docs/algorithms.md §1.3). Returns (advantages, returns), [B, T] each.
 
     delta_t = r_t + gamma*V_{t+1} - V_t,  A_t = delta_t + gamma*lam*A_{t+1},  returns_t = A_t + V_t,
     with V after the last response token = 0 (finished sequence) or `bootstrap_values[b]` [B]
     (used by EGAE for truncated rows). Masked positions are skipped (module docstring) and are 0
     in both outputs. `lam` is a float or a per-sequence tensor [B] (VAPO, `length_adaptive_lambda`).
 
-    `turn_starts` [B, T] (PAG turn-independent GAE, ALGORITHMS §8): True at the first position of
+    `turn_starts` [B, T] (PAG turn-independent GAE, docs/algorithms.md §8): True at the first position of
     each turn. Crossing a turn start backwards resets nextvalue and lastgaelam to 0, so the last
     token of each turn bootstraps with 0 and no advantage flows between turns. The flag may sit on
     a masked template position or on the turn's first response token; both give the same result.
@@ -151,7 +151,7 @@ def decoupled_gae(
     bootstrap_values: torch.Tensor | None = None,
     turn_starts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decoupled GAE (VC-PPO / VAPO, ALGORITHMS §3): two GAE passes over the same delta.
+    """Decoupled GAE (VC-PPO / VAPO, docs/algorithms.md §3): two GAE passes over the same delta.
 
     advantages = A^{lam_actor} (policy; lam_actor may be per-sequence [B], e.g. length-adaptive),
     returns = A^{lam_critic} + V (critic target; lam_critic = 1, gamma = 1 gives the Monte-Carlo
@@ -188,7 +188,7 @@ def compute_egae(
     lam_critic: Lam | None = None,
     turn_starts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """T-PPO extended GAE (ALGORITHMS §5). Returns (advantages, returns), [B, T] each.
+    """T-PPO extended GAE (docs/algorithms.md §5). Returns (advantages, returns), [B, T] each.
 
     For a row truncated at generated length l (truncated[b] = True), GAE is cut at the truncation
     point and the next-state value is bootstrapped as V(s_l) ~ V(s_{l-1}):
@@ -207,7 +207,7 @@ def compute_egae(
 
 @torch.no_grad()
 def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
-    """G_t = r_t + gamma * G_next(t) over masked-in tokens (REINFORCE++ return, ALGORITHMS §1.7).
+    """G_t = r_t + gamma * G_next(t) over masked-in tokens (REINFORCE++ return, docs/algorithms.md §1.7).
 
     G_next(t) is the return at the next masked-in position (0 after the last one: reset after
     EOS). Rewards at masked positions are ignored; output is 0 there. For right-padded single-turn

@@ -1,4 +1,4 @@
-"""KL estimators (ALGORITHMS §1.8), KL-in-reward and its fixed/adaptive coefficient controllers.
+"""KL estimators (docs/algorithms.md §1.8), KL-in-reward and its fixed/adaptive coefficient controllers.
 
 x = logp_theta - logp_ref per token (samples from pi_theta). Estimators of KL(pi_theta || pi_ref):
 k1 = x; k2 = x^2/2 ("mse"); k3 = exp(-x) + x - 1 ("low_var_kl": x clamped to [-20, 20], result to

@@ -1,4 +1,4 @@
-"""Loss aggregation (ALGORITHMS §1.2), PPO policy loss (§1.1), value loss (§1.4), VAPO's
+"""Loss aggregation (docs/algorithms.md §1.2), PPO policy loss (§1.1), value loss (§1.4), VAPO's
 positive-example NLL (§4), entropy.
 
 Shapes: [B, T] per-token tensors, `mask` [B, T] (1 = token counts).
@@ -88,7 +88,7 @@ def agg_loss(
     global_seqs: Count = None,
     max_len: int | None = None,
 ) -> torch.Tensor:
-    """Aggregate a per-token loss [B, T] to a scalar (ALGORITHMS §1.2). Modes and denominators:
+    """Aggregate a per-token loss [B, T] to a scalar (docs/algorithms.md §1.2). Modes and denominators:
 
     - token-mean:              sum(m*l) / global_tokens (default: local sum(m))
     - seq-mean-token-mean:     sum_i(sum_t m*l / sum_t m) / global_seqs (default: local non-empty rows)
@@ -154,7 +154,7 @@ def policy_loss(
     global_seqs: Count = None,
     max_len: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO clipped surrogate with clip-higher and optional dual-clip (ALGORITHMS §1.1). -> (loss, metrics).
+    """PPO clipped surrogate with clip-higher and optional dual-clip (docs/algorithms.md §1.1). -> (loss, metrics).
 
     rho = exp(clamp(logp - logp_old, -20, 20));  L1 = -A*rho;  L2 = -A*clip(rho, 1-clip_low, 1+clip_high);
     l = max(L1, L2); with dual-clip c > 1 and A < 0: l = min(l, -A*c). loss = agg_loss(l, mask, agg, ...)
@@ -246,7 +246,7 @@ def value_loss(
     global_seqs: Count = None,
     max_len: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped value loss (ALGORITHMS §1.4). -> (loss, metrics).
+    """Clipped value loss (docs/algorithms.md §1.4). -> (loss, metrics).
 
     v_clip = clip(v, v_old - eps, v_old + eps); l = 0.5 * max((v - R)^2, (v_clip - R)^2)
     (l = 0.5*(v - R)^2 when clip_eps is None); loss = agg_loss(l, mask, agg, ...).
@@ -293,7 +293,7 @@ def positive_example_nll(
     global_seqs: Count = None,
     max_len: int | None = None,
 ) -> torch.Tensor:
-    """VAPO positive-example LM loss (ALGORITHMS §4): L_NLL = -(1/sum_{o in T}|o|) sum_{o in T} sum_t log pi.
+    """VAPO positive-example LM loss (docs/algorithms.md §4): L_NLL = -(1/sum_{o in T}|o|) sum_{o in T} sum_t log pi.
 
     T = rows with is_positive[b] (correct samples; [NS→C] reward > 0 is the caller's threshold).
     Token mask m' = m * is_positive; loss = agg_loss(-logp, m', agg, ...). For token-mean pass

@@ -1,4 +1,4 @@
-"""Masked reductions, whitening (ALGORITHMS §1.3, §8 RoleAdvNorm) and explained variance.
+"""Masked reductions, whitening (docs/algorithms.md §1.3, §8 RoleAdvNorm) and explained variance.
 
 Shapes: x, mask [B, T]; mask is 1 (or True) on tokens that count. All statistics are over the
 masked tokens of the tensors passed in. Whitening statistics must be global (whole rollout batch):
@@ -67,7 +67,7 @@ def masked_whiten(
     shift_mean: bool = True,
     stats: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """(x - mean) / sqrt(var + 1e-8) over masked tokens (ALGORITHMS §1.3); 0 at masked-out positions.
+    """(x - mean) / sqrt(var + 1e-8) over masked tokens (docs/algorithms.md §1.3); 0 at masked-out positions.
 
     mean = sum(m*x)/sum(m); var is unbiased: sum(m*(x-mean)^2)/(sum(m)-1) (taken as 0 when only one
     token is masked in, so that token whitens to 0). `shift_mean=False` adds the mean back (verl
@@ -89,7 +89,7 @@ def masked_whiten(
 
 
 def masked_whiten_by_role(x: torch.Tensor, mask: torch.Tensor, role_ids: torch.Tensor) -> torch.Tensor:
-    """RoleAdvNorm (PAG, ALGORITHMS §8): whiten separately over the masked tokens of each role.
+    """RoleAdvNorm (PAG, docs/algorithms.md §8): whiten separately over the masked tokens of each role.
 
     role_ids: [B, T] integer role per token (e.g. 0 = policy turn, 1 = verifier turn). For each
     role r present among masked tokens: x <- (x - mean_r)/sqrt(var_r + 1e-8) with mean_r, var_r
@@ -113,7 +113,7 @@ def masked_whiten_by_role(x: torch.Tensor, mask: torch.Tensor, role_ids: torch.T
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """EV = 1 - Var(returns - values)/Var(returns) over masked tokens (ALGORITHMS §3, [NS→C] standard form).
+    """EV = 1 - Var(returns - values)/Var(returns) over masked tokens (docs/algorithms.md §3, [NS→C] standard form).
 
     Both variances use the same (unbiased) denominator, so it cancels. Returns NaN when
     Var(returns) = 0 (EV undefined).

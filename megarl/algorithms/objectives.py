@@ -12,7 +12,7 @@ Every policy loss has the uniform call of `losses.policy_loss`:
 The three positional PPO clip arguments are accepted and ignored (each objective has its own,
 differently scaled, parameters, passed as keywords; `CONFIG_KWARGS` names the config field behind
 each keyword). Denominators follow `losses.agg_loss`: pass the counts of the whole optimizer
-mini-batch so that micro-batch losses add up (ALGORITHMS §1.2). Shapes: [B, T] per token, `mask`
+mini-batch so that micro-batch losses add up (docs/algorithms.md §1.2). Shapes: [B, T] per token, `mask`
 [B, T] 1 on tokens that count; a row whose mask is all 0 (empty response) contributes nothing.
 
 Metrics are detached 0-dim tensors over the local masked tokens (as in `losses.policy_loss`):

@@ -1,7 +1,7 @@
 """Off-policy corrections between the rollout engine's sampling distribution and the trainer's.
 
 The engine reports logp_roll, the log-probability of each sampled token under the distribution
-it was drawn from; the trainer recomputes logp_old under the current weights (ALGORITHMS §0).
+it was drawn from; the trainer recomputes logp_old under the current weights (docs/algorithms.md §0).
 They differ because the engine's kernels differ numerically (train/inference mismatch) and, for
 T-PPO carried samples or stale rollouts, because an older policy version sampled the tokens.
 Per token:

@@ -2,7 +2,7 @@
 
 Groups: `group_index` identifies the prompt (uid) of each sample: an integer tensor [N], or any
 sequence of hashables (e.g. uid strings). Groups are numbered in order of first appearance.
-Compute these over the full rollout batch before sharding across ranks (ALGORITHMS §1.5 pitfall).
+Compute these over the full rollout batch before sharding across ranks (docs/algorithms.md §1.5 pitfall).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def _scores_1d(scores: torch.Tensor, group_index: GroupIndex) -> tuple[torch.Ten
 def grpo_advantages(
     scores: torch.Tensor, group_index: GroupIndex, norm_by_std: bool = True, eps: float = 1e-6
 ) -> torch.Tensor:
-    """GRPO outcome advantage (ALGORITHMS §1.5), [N].
+    """GRPO outcome advantage (docs/algorithms.md §1.5), [N].
 
     A_i = (s_i - mean_g) / (std_g + eps), mean over the group's samples (denominator n_g), std the
     unbiased group std (denominator n_g - 1). A group of size 1 uses mean 0, std 1 (verl), so its
@@ -77,7 +77,7 @@ def grpo_advantages(
 
 @torch.no_grad()
 def rloo_advantages(scores: torch.Tensor, group_index: GroupIndex) -> torch.Tensor:
-    """RLOO (ALGORITHMS §1.6), [N]: A_i = s_i - mean_{j != i} s_j = n/(n-1) * (s_i - mean_g).
+    """RLOO (docs/algorithms.md §1.6), [N]: A_i = s_i - mean_{j != i} s_j = n/(n-1) * (s_i - mean_g).
 
     A group of size 1 has no other sample: its baseline is 0 and A_i = s_i (verl).
     """
@@ -97,7 +97,7 @@ def broadcast_to_tokens(per_seq: torch.Tensor, mask: torch.Tensor) -> torch.Tens
 def place_outcome_reward(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """[B] scores -> [B, T] token rewards: score_i on the last masked-in token of row i, 0 elsewhere.
 
-    The last valid token is EOS, or the last token of a truncated response (ALGORITHMS §0). A row
+    The last valid token is EOS, or the last token of a truncated response (docs/algorithms.md §0). A row
     whose mask is all 0 has no token to carry its reward: that row is all 0.
     """
     if scores.shape != mask.shape[:1]:
@@ -116,7 +116,7 @@ def reinforce_pp_advantages(
     gamma: float = 1.0,
     group_index: GroupIndex | None = None,
 ) -> torch.Tensor:
-    """REINFORCE++ (ALGORITHMS §1.7), [B, T].
+    """REINFORCE++ (docs/algorithms.md §1.7), [B, T].
 
     Without `group_index`: G_t = sum_{k>=t} gamma^{k-t} r_k over masked-in tokens (reset after
     EOS, `discounted_returns`), then A = whiten(G) over all masked tokens of the whole batch

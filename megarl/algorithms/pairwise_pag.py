@@ -1,4 +1,4 @@
-"""Pairwise-RL reward/advantage (ALGORITHMS §6) and PAG per-turn rewards and turn layout (§8).
+"""Pairwise-RL reward/advantage (docs/algorithms.md §6) and PAG per-turn rewards and turn layout (§8).
 
 PAG turn description, per row b and turn k (K = max turns in the batch, turns left-aligned):
 - turn_ends [B, K] long: index (in the response's T axis) of the last token of turn k; -1 = no turn.
@@ -18,7 +18,7 @@ POLICY_ROLE, VERIFIER_ROLE = 0, 1
 
 
 def pairwise_reward(p_first: torch.Tensor, p_second: torch.Tensor) -> torch.Tensor:
-    """Position-debiased pairwise win probability ([NS→C], ALGORITHMS §6), in [0, 1]:
+    """Position-debiased pairwise win probability ([NS→C], docs/algorithms.md §6), in [0, 1]:
 
     r = 1/2 * (P(policy > anchor | policy shown first) + 1 - P(anchor > policy | anchor shown first)),
     p_first = the judge's probability of "policy better" with the policy response first,
@@ -42,7 +42,7 @@ def pairwise_advantages(
     token_rewards: torch.Tensor | None = None,
     **gae_kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pairwise PPO advantage ([NS→C], ALGORITHMS §6): terminal reward r - centre on the last valid
+    """Pairwise PPO advantage ([NS→C], docs/algorithms.md §6): terminal reward r - centre on the last valid
     token (r from `pairwise_reward`; centre 0.5 = the labelled common choice, 0.0 = raw r), plus
     optional per-token `token_rewards` (e.g. KL-in-reward), then `compute_gae`. -> (advantages, returns)."""
     r = pairwise_reward(p_first, p_second) - centre
@@ -84,7 +84,7 @@ def pag_turn_rewards(
     T: int,
     alpha: float = 1.0,
 ) -> torch.Tensor:
-    """PAG per-turn rewards (ALGORITHMS §8) placed on the last token of each turn. -> float32 [B, T].
+    """PAG per-turn rewards (docs/algorithms.md §8) placed on the last token of each turn. -> float32 [B, T].
 
     answer_correct [B, K]: R_y of policy turn k (1 correct, 0 wrong); ignored on verifier turns.
     verdict [B, K] long: on verifier turn k, 1 = "The answer is correct", 0 = "The answer is wrong",

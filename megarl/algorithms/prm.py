@@ -1,4 +1,4 @@
-"""Line-level process reward model (PRM) for code RL: the pure parts (ALGORITHMS.md §10,
+"""Line-level process reward model (PRM) for code RL: the pure parts (docs/algorithms.md §10,
 "Process Supervision-Guided Policy Optimization for Code Generation", arXiv 2410.17621).
 
 Lines. Line j (1-based) of a response is the span of tokens ending at the j-th token whose text

@@ -18,7 +18,7 @@ a_j = 0, so it is not used. Instead a two-level chunked scan:
 
 Only suffix products inside one chunk are formed (no division), so nothing can underflow in a way
 that matters: a product below the float range is, correctly, ~0. Python loops: C + n ~ 2*sqrt(T)
-steps on whole-batch tensors, instead of T (tools/bench_algorithms.py compares it with the loop
+steps on whole-batch tensors, instead of T (tools/bench/algorithms.py compares it with the loop
 over T). No gradient flows through the scan (it is used for
 advantage/return targets only).
 """

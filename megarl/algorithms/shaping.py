@@ -1,4 +1,4 @@
-"""DAPO reward shaping and filters (ALGORITHMS §2): soft overlong punishment, overlong filtering,
+"""DAPO reward shaping and filters (docs/algorithms.md §2): soft overlong punishment, overlong filtering,
 dynamic sampling."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def dynamic_sampling_keep(scores: torch.Tensor, group_index: GroupIndex, atol: f
     of first appearance in `group_index` (the numbering of `outcome.group_ids`).
 
     A group is kept iff max_g(score) - min_g(score) > atol, i.e. not all equal (0 < acc < 1 for 0/1
-    correctness). Pass the correctness metric `acc`, not the shaped reward (ALGORITHMS §2 pitfall).
+    correctness). Pass the correctness metric `acc`, not the shaped reward (docs/algorithms.md §2 pitfall).
     A group of size 1 is all-equal and dropped.
     """
     if scores.dim() != 1:

@@ -1,4 +1,4 @@
-"""T-PPO token filtering and sample bookkeeping (ALGORITHMS §5), as pure functions.
+"""T-PPO token filtering and sample bookkeeping (docs/algorithms.md §5), as pure functions.
 
 A T-PPO response is generated in windows: at step k every active sample gets at most
 `window_tokens` new tokens under policy version k. For sample b, `window_start[b]` is the
@@ -6,7 +6,7 @@ response index of the first token of its current window (0 for a sample started 
 the sample is "unfinished" when the window ended before the response did.
 
 - The policy loss covers the tokens of the current window only (the paper does not say whether
-  a continuing response's earlier windows are re-trained; ALGORITHMS §5 [NS→C]: the safest
+  a continuing response's earlier windows are re-trained; docs/algorithms.md §5 [NS→C]: the safest
   reading is no). `retrain_earlier_windows=True` gives the other reading: every response token.
 - The value loss covers finished samples only (every response token, Monte-Carlo targets); the
   tokens of unfinished samples are filtered out.

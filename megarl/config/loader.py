@@ -27,21 +27,12 @@ from typing import Any
 
 import yaml
 
+from megarl.config.errors import ConfigError
 from megarl.config.schema import MegaRLConfig
+from megarl.config.validate import validate_config
 
 DEFAULTS_KEY = "defaults"
 _FLOAT_RE = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$|^[+-]?(inf|nan)$", re.IGNORECASE)
-
-
-class ConfigError(ValueError):
-    """An invalid config: the message names each bad field (dotted path) and where it was set."""
-
-    def __init__(self, errors: str | Sequence[str]):
-        self.errors = [errors] if isinstance(errors, str) else list(errors)
-        if len(self.errors) == 1:
-            super().__init__(self.errors[0])
-        else:
-            super().__init__(f"{len(self.errors)} config errors:\n  " + "\n  ".join(self.errors))
 
 
 # ----------------------------------------------------------------------------- composition
@@ -346,8 +337,6 @@ def from_dict(data: dict, prov: dict[str, str] | None = None, validate: bool = T
     if conv.errors:
         raise ConfigError(conv.errors)
     if validate:
-        from megarl.config.validate import validate_config
-
         validate_config(cfg, where=conv.where)
     return cfg
 

@@ -154,7 +154,7 @@ class RolloutConfig:
     fire_top_k: int = doc_field(16, "FIRE first-token top-k")
     function: str | None = doc_field(
         None, "custom rollout function 'package.module:function' with the signature of "
-        "megarl.trainer.rollout.collect_step_batch; null = the builtin one"
+        "megarl.trainer.step_collector.collect_step_batch; null = the builtin one"
     )
     weight_bucket_mb: int = doc_field(512, "bucket size for streaming weights into the engine (MiB)")
     mem_fraction: float = doc_field(0.6, "GPU memory fraction the engine reserves for weights + KV cache (SGLang mem_fraction_static)")
@@ -192,7 +192,7 @@ class RolloutConfig:
     )
 
 
-PAG_VERIFY_INSTRUCTION = (  # the released PAG code's verifier turn (ALGORITHMS.md §8)
+PAG_VERIFY_INSTRUCTION = (  # the released PAG code's verifier turn (docs/algorithms.md §8)
     "Check the math solution step-by-step. If you find a mistake: state the wrong step, explain why it's wrong, "
     "and end your response with 'The answer is wrong'. If all steps are correct, end your response with "
     "'The answer is correct'."
@@ -204,7 +204,7 @@ PAG_REVISE_INSTRUCTION = (
 
 @dataclass
 class PagConfig:
-    """PAG, Policy as Generative Verifier (ALGORITHMS.md §8; megarl/rollout/multi_turn.py, megarl/trainer/pag.py)."""
+    """PAG, Policy as Generative Verifier (docs/algorithms.md §8; megarl/rollout/multi_turn.py, megarl/trainer/pag.py)."""
 
     enable: bool = doc_field(
         False, "multi-turn PAG rollouts: solution, self-verification, revision only on 'The answer is wrong'; "
@@ -314,7 +314,7 @@ class AlgorithmConfig:
         "schedule start at the next step (checkpointed). null = always value_pretrain_steps steps")
     ppo_epochs: int = doc_field(1, "passes over each rollout batch")
     mini_batch_size: int = doc_field(512, "samples per optimizer step")
-    pag: PagConfig = doc_field(PagConfig(), "PAG multi-turn self-verification (ALGORITHMS.md §8)")
+    pag: PagConfig = doc_field(PagConfig(), "PAG multi-turn self-verification (docs/algorithms.md §8)")
 
 
 @dataclass
@@ -403,7 +403,7 @@ class QuickstartConfig:
 
 @dataclass
 class PrmConfig:
-    """Code PRM (ALGORITHMS.md §10; megarl.algorithms.prm, megarl.trainer.prm)."""
+    """Code PRM (docs/algorithms.md §10; megarl.algorithms.prm, megarl.trainer.prm)."""
 
     path: str | None = doc_field(
         None, "PRM checkpoint dir (a critic-architecture torch_dist checkpoint); the code_lines quickstart "

@@ -15,9 +15,9 @@ from typing import Any
 
 from megarl.algorithms.registry import ADVANTAGES, POLICY_LOSSES
 from megarl.algorithms.offpolicy import WEIGHTABLE_LOSSES
-from megarl.config.loader import ConfigError
+from megarl.config.errors import ConfigError
 from megarl.config.schema import MegaRLConfig
-from megarl.plugins import is_dotted_path
+from megarl.registry import is_dotted_path
 
 CRITIC_ADVANTAGES = ("gae", "egae")
 
@@ -236,7 +236,7 @@ def _check_te_attention(e: _Errors, cfg: MegaRLConfig) -> None:
 
 
 def _check_prm(e: _Errors, cfg: MegaRLConfig) -> None:
-    """Code PRM (ALGORITHMS.md §10): dense line rewards need a critic estimator; a PRM needs a path."""
+    """Code PRM (docs/algorithms.md §10): dense line rewards need a critic estimator; a PRM needs a path."""
     pr = cfg.prm
     uses = pr.dense_reward or pr.init_critic
     e.check(not uses or bool(pr.path), "prm.path",

@@ -79,7 +79,7 @@ def shard_for_rank(items: Sequence[T], rank: int, world_size: int) -> list[T]:
 
 
 def first_sources_share(step: int, natural: float, steps: int, decay: str) -> float:
-    """Share of the first-trained data sources in the batch at `step` (ALGORITHMS.md §7: math and
+    """Share of the first-trained data sources in the batch at `step` (docs/algorithms.md §7: math and
     code prompts first, then the others mixed in; the schedule is not stated [NS->C]):
 
         "step":   1 for step < steps, then `natural` (their share of the dataset)

@@ -1,4 +1,4 @@
-"""Pre-PPO prompt selection (ALGORITHMS.md §7, arXiv 2503.22230): keep the prompts the reward
+"""Pre-PPO prompt selection (docs/algorithms.md §7, arXiv 2503.22230): keep the prompts the reward
 model scores lowest, after normalising scores within each task domain.
 
 Per prompt i of domain d with sampled responses j = 1..N scored r_ij by the reward route:

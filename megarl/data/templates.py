@@ -2,7 +2,7 @@
 
 Registered templates:
 
-- ``dapo``  — the DAPO-Math-17k wrapper (the "Answer:" variant, see shared/data/README.md).
+- ``dapo``  — the DAPO-Math-17k wrapper (the "Answer:" variant, see data/README.md).
 - ``boxed`` — asks for the final answer in ``\\boxed{}`` (Qwen2.5-Math style instruction).
 - ``raw``   — the problem text unchanged.
 - ``arith`` — the quickstart arithmetic task (`megarl.tasks.arith`): ``"Q: 347+85=?\\n"``.

@@ -10,9 +10,10 @@ families register with `@register_family("model_type")`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from megarl.models.rope import SUPPORTED_ROPE_TYPES, partial_rotary_factor, rope_params, rope_type_of
+from megarl.registry import Registry
 
 
 class UnsupportedModelError(ValueError):
@@ -57,40 +58,33 @@ class ArchSpec:
     hf_fused_experts: bool = False
 
 
-_FAMILIES: dict[str, Callable[[Any], ArchSpec]] = {}
+FAMILIES = Registry("model family")  # HF model_type -> fn(hf_config) -> ArchSpec
 _VISION_LANGUAGE: set[str] = set()
 
 
 def register_family(model_type: str, *, vision_language: bool = False):
     """Registers `fn(hf_config) -> ArchSpec` for HF configs whose `model_type` is `model_type`
     (vision_language: listed apart in error messages)."""
-
-    def deco(fn: Callable[[Any], ArchSpec]):
-        if model_type in _FAMILIES:
-            raise ValueError(f"model family {model_type!r} is already registered")
-        _FAMILIES[model_type] = fn
-        if vision_language:
-            _VISION_LANGUAGE.add(model_type)
-        return fn
-
-    return deco
+    if vision_language:
+        _VISION_LANGUAGE.add(model_type)
+    return FAMILIES.register(model_type)
 
 
 def supported_model_types() -> list[str]:
-    return sorted(_FAMILIES)
+    return sorted(FAMILIES)
 
 
 def arch_spec(hf_config: Any) -> ArchSpec:
     """The ArchSpec for an HF config; unsupported `model_type` -> UnsupportedModelError."""
     model_type = getattr(hf_config, "model_type", None)
-    if model_type not in _FAMILIES:
+    if model_type not in FAMILIES:
         raise UnsupportedModelError(
             f"unsupported architecture model_type={model_type!r} "
             f"(architectures={getattr(hf_config, 'architectures', None)}); "
             f"supported model_type values: {[t for t in supported_model_types() if t not in _VISION_LANGUAGE]}"
             f" (vision-language: {sorted(_VISION_LANGUAGE)})"
         )
-    return _FAMILIES[model_type](hf_config)
+    return FAMILIES[model_type](hf_config)
 
 
 def _require(cond: bool, hf_config: Any, what: str) -> None:

@@ -1,6 +1,6 @@
 """CPU runtime: lets megatron-core's own TP/PP/DP code run on CPU tensors with gloo.
 
-megatron-core 0.16.1 assumes CUDA in a handful of places (see shared/reference/megatron_cpu.md).
+megatron-core 0.16.1 assumes CUDA in a handful of places (listed below).
 `activate()` patches exactly those, process-wide, and only when CUDA is absent:
 
 1. `torch.cuda.current_device()` returns the CPU device, so code that moves buffers "to the

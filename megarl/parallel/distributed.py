@@ -9,7 +9,7 @@ trainer.resume=true. With NCCL on GPU the watchdog aborts the process after the 
 faulthandler (enabled here) then prints every thread's Python stack, whose trainer frames show
 the phase.
 
-Fault injection (tests and tools/chaos.py only; both unset in normal runs):
+Fault injection (tests and tools/bench/chaos.py only; both unset in normal runs):
 MEGARL_CHAOS_KILL_AT="<phase>:<n>[@<rank>][:<SIGNAL>|:node]" sends SIGKILL (or SIGNAL, e.g.
 SIGSTOP) to this process at the n-th entry of `phase` / `fault_point` <phase> (only on rank
 <rank> when given); `node` first SIGKILLs the torchrun agent that started this rank and all its
@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.parallel import cpu_runtime
+from megarl.parallel.launch import free_port
 
 
 @dataclass
@@ -101,7 +102,7 @@ def init_distributed(parallel=None, seed: int = 1234, timeout_s: float | None = 
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         if use_cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(
@@ -141,14 +142,6 @@ def destroy_distributed() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def device() -> torch.device:

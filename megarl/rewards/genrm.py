@@ -1,6 +1,6 @@
 """Generative reward models: a judge LLM served by a RolloutEngine.
 
-Scores (ALGORITHMS.md §6, §7):
+Scores (docs/algorithms.md §6, §7):
 - pairwise, against an anchor (a reference response, or the gold answer): both orders are
   judged to cancel position bias and
       r = ½·(P(policy ≻ anchor | policy first) + 1 − P(anchor ≻ policy | anchor first)),

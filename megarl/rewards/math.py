@@ -1,4 +1,4 @@
-"""Math answer verifier and the rule-based math reward (DAPO, ALGORITHMS.md §2).
+"""Math answer verifier and the rule-based math reward (DAPO, docs/algorithms.md §2).
 
 `check(response, gold)` decides in this order, stopping at the first that applies:
 1. no final answer in the response (`math_answer.extract_answer`) -> incorrect;
@@ -60,7 +60,7 @@ def is_correct(response: str, gold: str, *, timeout_s: float = DEFAULT_TIMEOUT_S
 
 @dataclass
 class MathRewardParams:
-    """Scores of the math reward. DAPO: +1 correct, -1 incorrect (ALGORITHMS.md §2)."""
+    """Scores of the math reward. DAPO: +1 correct, -1 incorrect (docs/algorithms.md §2)."""
 
     correct_score: float = 1.0
     incorrect_score: float = -1.0

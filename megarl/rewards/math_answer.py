@@ -1,7 +1,7 @@
 """Final-answer extraction and normalisation for math responses (pure string functions).
 
 Formats our recipes use:
-- DAPO: the last line reads `Answer: <answer>` (ALGORITHMS.md §2; the DAPO prompt wrapper asks
+- DAPO: the last line reads `Answer: <answer>` (docs/algorithms.md §2; the DAPO prompt wrapper asks
   for it). We take the last `Answer:` in the response, up to the end of its line.
 - `\\boxed{...}` / `\\fbox{...}` with nested braces (also `\\boxed 5`), the last one.
 Whichever marker comes last in the response wins; an `Answer:` line holding a `\\boxed{}` is

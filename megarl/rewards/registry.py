@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Callable
 
+from megarl.registry import Registry, import_object, is_dotted_path
 from megarl.rewards.types import RewardError, RewardInput, RewardOutput
 
 SampleFn = Callable[[RewardInput], RewardOutput]
@@ -25,22 +26,15 @@ class BuiltReward:
 
 
 Factory = Callable[[dict, dict], BuiltReward]
-REWARDS: dict[str, Factory] = {}
+REWARDS = Registry("reward function")
 
 
 def register_reward(name: str) -> Callable[[Factory], Factory]:
-    def deco(factory: Factory) -> Factory:
-        if name in REWARDS:
-            raise ValueError(f"reward function {name!r} is already registered")
-        REWARDS[name] = factory
-        return factory
-    return deco
+    return REWARDS.register(name)
 
 
 def build_reward(name: str, params: dict, resources: dict) -> BuiltReward:
     """A registered reward by name, or user code by dotted path ('package.module:function')."""
-    from megarl.plugins import import_object, is_dotted_path
-
     if is_dotted_path(name):
         return _custom(import_object(name, f"reward function {name!r}"), dict(params))
     if name not in REWARDS:
@@ -140,7 +134,7 @@ def _genrm(params: dict, resources: dict) -> BuiltReward:
 
 @register_reward("pairwise_genrm")
 def _pairwise_genrm(params: dict, resources: dict) -> BuiltReward:
-    """Pairwise-RL: win probability r against the anchor, both orders (ALGORITHMS.md §6), minus
+    """Pairwise-RL: win probability r against the anchor, both orders (docs/algorithms.md §6), minus
     `centre` (param, default 0.0 = raw r in [0, 1]). [NS→C] the labelled common choice for pairwise
     PPO is the terminal reward r − 0.5 (centre: 0.5; configs/algorithms/pairwise_rl.yaml), which the
     trainer places on the last response token before GAE: parity with the anchor scores 0, and

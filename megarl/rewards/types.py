@@ -26,7 +26,7 @@ class RewardInput:
 @dataclass
 class RewardOutput:
     """`score` is the scalar reward; `acc` is correctness for dynamic sampling (DAPO filters
-    on it, ALGORITHMS.md §2), None where the reward has no notion of correctness."""
+    on it, docs/algorithms.md §2), None where the reward has no notion of correctness."""
 
     score: float
     acc: bool | None = None

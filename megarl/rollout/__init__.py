@@ -1,4 +1,4 @@
-"""Rollout engines (DESIGN.md: RolloutEngine contract).
+"""Rollout engines (docs/design.md, "Contracts": RolloutEngine).
 
 `make_engine(name, **kwargs)` picks one by config name (`rollout.engine: builtin | sglang`).
 The SGLang engine is imported lazily, so this package imports without sglang installed.

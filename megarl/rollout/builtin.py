@@ -46,12 +46,14 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from megarl.rollout.checkpoint import (
+from megarl.weights.hf_reader import (
     eos_token_ids, has_tokenizer, iter_checkpoint_buckets, read_config)
 from megarl.rollout.sampling import sample_tokens, segment_budget, token_samplers
 from megarl.rollout.torch_model import (
     DecoderLM, KVCache, ModelArgs, check_kv_cache_budget, model_args_from_hf_config)
 from megarl.rollout.torch_moe import RoutingTape, sample_routing
+# registers the vision-language families of MODEL_FAMILIES (model_args_from_hf_config)
+from megarl.rollout.torch_vlm import VisionLM, check_images, hf_param_name
 from megarl.rollout.types import PromptImages, Sample, SamplingParams
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -102,9 +104,7 @@ class BuiltinEngine:
         self.eos_token_ids = list(dict.fromkeys(int(t) for t in eos_token_ids))
         self.max_context = min(max_context or self.args.max_position_embeddings,
                                self.args.max_position_embeddings)
-        model_cls = DecoderLM
-        if self.args.vision is not None:
-            from megarl.rollout.torch_vlm import VisionLM as model_cls
+        model_cls = DecoderLM if self.args.vision is None else VisionLM
         self.model = model_cls.empty(self.args, self.dtype, self.device)
         self._shapes = {n: p.shape for n, p in self.model.named_parameters()}
         self._loaded: set[str] = set()
@@ -182,8 +182,6 @@ class BuiltinEngine:
         if name.endswith(_IGNORED_SUFFIXES):
             return None
         if self.args.vision is not None:
-            from megarl.rollout.torch_vlm import hf_param_name
-
             name = hf_param_name(name)
         if name == "lm_head.weight" and self.args.tie_word_embeddings:
             return "model.embed_tokens.weight"
@@ -313,8 +311,6 @@ class BuiltinEngine:
         return ids
 
     def _check_images(self, images: Any, n_prompts: int) -> list[PromptImages | None] | None:
-        from megarl.rollout.torch_vlm import check_images
-
         return check_images(self.args, images, n_prompts)
 
     def _budget(self, context_len: int, done: int, sampling: SamplingParams) -> tuple[int, bool]:

@@ -1,4 +1,4 @@
-"""PAG multi-turn rollouts (ALGORITHMS.md §8): solution, self-verification, selective revision,
+"""PAG multi-turn rollouts (docs/algorithms.md §8): solution, self-verification, selective revision,
 all in ONE trajectory, through the RolloutEngine `generate` interface only (builtin or SGLang).
 
 For every prompt `sampling.n` trajectories:

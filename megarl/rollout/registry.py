@@ -1,12 +1,16 @@
-"""Engine registry: `rollout.engine` config name -> constructor."""
+"""Engine registry: `rollout.engine` config name (or `package.module:factory` of your own engine) -> constructor."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
+from megarl.registry import Registry
 from megarl.rollout.types import RolloutEngine
 
+ENGINES = Registry("rollout engine")
 
+
+@ENGINES.register("builtin")
 def _builtin(**kwargs: Any) -> RolloutEngine:
     """model_path=<hf dir> (from_pretrained), or config=<HF config> (weights streamed later)."""
     from megarl.rollout.builtin import BuiltinEngine
@@ -18,6 +22,7 @@ def _builtin(**kwargs: Any) -> RolloutEngine:
     raise ValueError("make_engine('builtin'): pass model_path=<hf dir> or config=<HF config>")
 
 
+@ENGINES.register("sglang")
 def _sglang(**kwargs: Any) -> RolloutEngine:
     """model_path=<hf dir>, group=<gloo group of the engine's ranks>, SGLang server arguments.
 
@@ -29,11 +34,12 @@ def _sglang(**kwargs: Any) -> RolloutEngine:
     return SGLangEngine(**kwargs)
 
 
-ENGINES: dict[str, Callable[..., RolloutEngine]] = {"builtin": _builtin, "sglang": _sglang}
-
-
 def make_engine(name: str, **kwargs: Any) -> RolloutEngine:
-    """Builds the rollout engine named by config (`rollout.engine`)."""
-    if name not in ENGINES:
-        raise ValueError(f"rollout.engine: unknown engine {name!r} (choose from {sorted(ENGINES)})")
-    return ENGINES[name](**kwargs)
+    """Builds the rollout engine named by config (`rollout.engine`): a registered name, or a
+    dotted path to a factory taking the same keyword arguments."""
+    try:
+        factory = ENGINES.resolve(name, "rollout.engine")
+    except KeyError:
+        raise ValueError(f"rollout.engine: unknown engine {name!r} (choose from {sorted(ENGINES)}, "
+                         "or give 'package.module:factory')") from None
+    return factory(**kwargs)

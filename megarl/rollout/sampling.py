@@ -25,7 +25,7 @@ class TokenSampler:
 def token_samplers(sampling: SamplingParams) -> tuple[TokenSampler, TokenSampler]:
     """(first-token sampler, sampler for every later token).
 
-    FIRE (ALGORITHMS.md §9): the first token uses temperature `fire_temperature` and top-k
+    FIRE (docs/algorithms.md §9): the first token uses temperature `fire_temperature` and top-k
     `top_k` if the configured top_k > 0, else `fire_top_k`; top_p stays the regular one. The FIRE
     fields are written last, on a copy of the regular sampler, so no regular setting can overwrite
     them (the later-verl pitfall).

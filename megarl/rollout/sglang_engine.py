@@ -70,7 +70,7 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from megarl.rollout.checkpoint import has_tokenizer, read_config
+from megarl.weights.hf_reader import has_tokenizer, read_config
 from megarl.rollout.sampling import segment_budget
 from megarl.rollout.sglang_utils import (
     GenerateCall, ReleasedMemory, check_generate_request, engine_launch_env, gather_to_owner,

@@ -1,7 +1,7 @@
 """Pure logic of the SGLang engine: request dicts, output parsing, weight buckets, gathering.
 
-Nothing here imports sglang, so all of it is tested on CPU. Formats follow SGLang 0.5.23
-(shared/reference/sglang.md §2-3).
+Nothing here imports sglang, so all of it is tested on CPU. Formats follow SGLang 0.5.23, read
+against its source.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def first_call(contexts: Sequence[list[int]], budgets: Sequence[int], sampling: 
                fire: bool, seeds: Sequence[int | None] | None = None, images: Sequence | None = None) -> GenerateCall:
     """The first generate call of a segment (`seeds`: one `sampling_seed` per context, or None).
 
-    FIRE (ALGORITHMS.md §9) splits generation into two calls: this one draws exactly one token
+    FIRE (docs/algorithms.md §9) splits generation into two calls: this one draws exactly one token
     with the first-token sampler (`token_samplers`: FIRE fields set last), `second_call` draws the
     rest with the regular sampler. Without FIRE this single call draws the whole budget.
     """

@@ -15,13 +15,14 @@ cos/sin computed in fp32 and cast to the activation dtype, `rotate_half` RoPE la
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megarl.models.rope import SUPPORTED_ROPE_TYPES, rope_params, scaled_inv_freq, scaling_type
+from megarl.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -88,15 +89,22 @@ def _common_args(cfg: dict) -> dict:
     )
 
 
+# HF model_type -> fn(config.json dict) -> ModelArgs; torch_vlm registers the vision-language ones
+MODEL_FAMILIES = Registry("builtin-engine model family")
+
+
+@MODEL_FAMILIES.register("qwen2")
 def _qwen2_args(cfg: dict) -> ModelArgs:
     return ModelArgs(**_common_args(cfg), qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False)
 
 
+@MODEL_FAMILIES.register("qwen3")
 def _qwen3_args(cfg: dict) -> ModelArgs:
     bias = bool(_get(cfg, "attention_bias", False))
     return ModelArgs(**_common_args(cfg), qkv_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=True)
 
 
+@MODEL_FAMILIES.register("llama")
 def _llama_args(cfg: dict) -> ModelArgs:
     bias = bool(_get(cfg, "attention_bias", False))
     return ModelArgs(**_common_args(cfg), qkv_bias=bias, o_bias=bias,
@@ -115,30 +123,16 @@ def _moe_args(cfg: dict, dense: ModelArgs, shared: int) -> ModelArgs:
         norm_topk_prob=bool(_get(cfg, "norm_topk_prob", False)), shared_expert_intermediate_size=shared)
 
 
+@MODEL_FAMILIES.register("qwen3_moe")
 def _qwen3_moe_args(cfg: dict) -> ModelArgs:
     return _moe_args(cfg, _qwen3_args(cfg), 0)
 
 
+@MODEL_FAMILIES.register("qwen2_moe")
 def _qwen2_moe_args(cfg: dict) -> ModelArgs:
     bias = bool(_get(cfg, "qkv_bias", True))
     dense = ModelArgs(**_common_args(cfg), qkv_bias=bias, o_bias=False, mlp_bias=False, qk_norm=False)
     return _moe_args(cfg, dense, int(_get(cfg, "shared_expert_intermediate_size", 0)))
-
-
-def _qwen2_5_vl_args(cfg: dict) -> ModelArgs:
-    from megarl.rollout.torch_vlm import qwen2_5_vl_args
-
-    return qwen2_5_vl_args(cfg)
-
-
-MODEL_FAMILIES: dict[str, Callable[[dict], ModelArgs]] = {
-    "qwen2": _qwen2_args,
-    "qwen3": _qwen3_args,
-    "llama": _llama_args,
-    "qwen3_moe": _qwen3_moe_args,
-    "qwen2_moe": _qwen2_moe_args,
-    "qwen2_5_vl": _qwen2_5_vl_args,  # vision tower + M-RoPE: `megarl.rollout.torch_vlm`
-}
 
 
 def model_args_from_hf_config(config: Any) -> ModelArgs:

@@ -37,10 +37,11 @@ from megarl.models.vision import geometry
 from megarl.models.vision.mrope import mrope_position_ids
 from megarl.models.vision.spec import VisionSpec
 from megarl.rollout.torch_model import (
-    MLP, DecoderLM, KVCache, ModelArgs, RMSNorm, _common_args, _get, rope_cos_sin)
+    MLP, MODEL_FAMILIES, DecoderLM, KVCache, ModelArgs, RMSNorm, _common_args, _get, rope_cos_sin)
 from megarl.rollout.types import PromptImages
 
 
+@MODEL_FAMILIES.register("qwen2_5_vl")
 def qwen2_5_vl_args(cfg: dict) -> ModelArgs:
     """`ModelArgs` of a qwen2_5_vl config.json: the LM from `text_config` (transformers 5) or the top
     level (transformers 4), `mrope_section` from its rope dict, `vision` from `vision_config`."""

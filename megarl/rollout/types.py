@@ -1,4 +1,4 @@
-"""The RolloutEngine contract (DESIGN.md "Contracts"): requests, sampling parameters, samples.
+"""The RolloutEngine contract (docs/design.md, "Contracts"): requests, sampling parameters, samples.
 
 Every engine (builtin torch engine, colocated SGLang) speaks only HF names and token ids.
 """
@@ -18,7 +18,7 @@ class SamplingParams:
     """Sampling parameters of one generate call.
 
     temperature 0 means greedy. top_k <= 0 and top_p >= 1 disable those filters.
-    FIRE (ALGORITHMS.md §9): the first response token is sampled at `fire_temperature` with
+    FIRE (docs/algorithms.md §9): the first response token is sampled at `fire_temperature` with
     top-k `fire_top_k` (or the regular top_k if that is > 0); the rest at the regular settings.
     `window` (T-PPO): stop after this many new tokens with finish_reason "truncated"; the
     sample can be continued later with `continue_samples`.

@@ -1,17 +1,16 @@
 """Synthetic, verifiable tasks for the quickstart and tests.
 
 `QUICKSTART_TASKS` maps `quickstart.task` to a `QuickstartTask`; a task named `x` lives in the
-module `megarl.tasks.x`, which registers it on import (`quickstart_task(name)` imports it).
+module `megarl.tasks.x`, which registers it on import (a lookup imports it).
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from megarl.algorithms.registry import Registry
+from megarl.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -31,15 +30,9 @@ class QuickstartTask:
     table_metrics: tuple[str, ...] = ()
 
 
-QUICKSTART_TASKS = Registry("quickstart task")
+QUICKSTART_TASKS = Registry("quickstart task", lazy_package="megarl.tasks")
 
 
 def quickstart_task(name: str) -> QuickstartTask:
-    """The registered task `name`, importing `megarl.tasks.<name>` first if needed."""
-    if name not in QUICKSTART_TASKS:
-        try:
-            importlib.import_module(f"megarl.tasks.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"megarl.tasks.{name}":
-                raise
+    """The registered task `name` (importing `megarl.tasks.<name>` first if needed)."""
     return QUICKSTART_TASKS[name]

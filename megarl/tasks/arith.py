@@ -17,7 +17,7 @@ final line copies it), so a tiny model learns the procedure quickly.
 Operand sampling: both operands have exactly ``digits`` digits, uniform among such numbers
 (0..9 for one digit). Fixed-width operands matter for RL: with mixed widths (1..3 digits) the
 tiny model's early errors are mostly misread digit positions, which GRPO barely moves (plain
-single-process GRPO, tools/probe_arith_grpo.py: 0.21 -> ~0.40 greedy in 100 steps); with fixed
+single-process GRPO, tools/research/probe_arith_grpo.py: 0.21 -> ~0.40 greedy in 100 steps); with fixed
 width the same loop goes 0.255 -> 0.605 in 30 steps.
 """
 

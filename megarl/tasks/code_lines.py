@@ -1,5 +1,5 @@
 """Quickstart task `code_lines`: straight-line Python programs, unit-tested in the sandbox (the code
-PRM quickstart, ALGORITHMS.md §10).
+PRM quickstart, docs/algorithms.md §10).
 
 Prompt (rendered, template ``raw``): four variables (values 10..99, in a..d order; `prompt_text`
 can shuffle them) and an expression over them, left-associated with random operators from + - *::

@@ -1,4 +1,4 @@
-"""Quickstart task for PAG (ALGORITHMS.md §8): the addition chain of thought of megarl.tasks.arith,
+"""Quickstart task for PAG (docs/algorithms.md §8): the addition chain of thought of megarl.tasks.arith,
 solved, self-verified and (only when the verification says wrong) revised in one trajectory.
 
 Turns (the instructions are algorithm.pag.verify_instruction / revise_instruction, template tokens;

@@ -1,4 +1,4 @@
-"""Quickstart task for Pairwise-RL (ALGORITHMS.md §6): a preference task whose quality rule is hidden.
+"""Quickstart task for Pairwise-RL (docs/algorithms.md §6): a preference task whose quality rule is hidden.
 
 Prompt (template ``raw``): four distinct digits and a colon, ``"4179:"``. Response: an arrangement
 of those digits, ``"9741"``. Nothing tells the policy what a good arrangement is. The HIDDEN rule

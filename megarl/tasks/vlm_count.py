@@ -6,7 +6,7 @@ whose last pixel row and column stay blank, so no two squares touch) in one of `
 colour's count is drawn uniformly from 0..`max_count`, so the answer to "How many <colour>
 squares?" is uniform over 0..max_count whatever the other colours (the distractors) do. The
 questions name the `asked` colours: red only by default; all three makes the model read the
-question too, and learn more slowly (module doc of tools/probe_vlm_task.py has the figures).
+question too, and learn more slowly (module doc of tools/research/probe_vlm_task.py has the figures).
 With the tiny VLM's patch 4 and 2x2 merge (`megarl.tasks.tiny_vlm`) one image token covers one
 8-pixel cell, so the default 6 x 6 board (48 x 48 pixels) is 36 image tokens.
 

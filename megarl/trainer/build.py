@@ -110,7 +110,7 @@ def build_critic(cfg, hf_config, actor: TrainModel) -> TrainModel:
     checkpoint path in critic.init_from), else initialised from a backbone with the value head as
     built: the actor's current one (critic.init_from=actor, copied in memory), or that of the
     policy-architecture checkpoint critic.init_from names (e.g. a longer-trained SFT model, as
-    the reward model a value model is usually initialised from: VC-PPO, ALGORITHMS.md §3)."""
+    the reward model a value model is usually initialised from: VC-PPO, docs/algorithms.md §3)."""
     from megarl.weights.dist_ckpt import read_checkpoint_meta
 
     load = cfg.model.critic_load or (None if cfg.critic.init_from in ("actor", "") else cfg.critic.init_from)

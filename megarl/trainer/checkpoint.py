@@ -14,7 +14,7 @@ writes: the torch_dist metadata files, then, on every rank, the same `latest` up
 synchronous save. A writer that dies leaves no results, so the finalisation raises and `latest`
 keeps naming the previous complete checkpoint. megatron's writers hand their results to the
 finalisation through one process-wide first-in-first-out queue, so concurrent writers could
-give a checkpoint's metadata another write's results (tools/chaos.py caught exactly that: a
+give a checkpoint's metadata another write's results (tools/bench/chaos.py caught exactly that: a
 model's metadata pointing at the optimizer's shard offsets). Hence one checkpoint is in flight
 at a time, and all its requests (model and optimizer of actor and critic) are written one after
 another by a single background process.

@@ -14,7 +14,7 @@ from megarl.parallel.distributed import phase
 from megarl.rollout import SamplingParams
 from megarl.trainer import build, checkpoint, pag
 from megarl.trainer.metrics import MetricsLogger, PhaseTimer
-from megarl.trainer.rollout import RolloutWorker
+from megarl.trainer.generation import RolloutWorker
 from megarl.trainer.state import TrainerState
 from megarl.trainer.train_model import TrainModel
 

@@ -1,4 +1,4 @@
-"""Training a pairwise generative reward model (Pairwise-RL, ALGORITHMS.md §6; GenRM conventions §7)
+"""Training a pairwise generative reward model (Pairwise-RL, docs/algorithms.md §6; GenRM conventions §7)
 on megarl's SFT path, exporting it as an HF model directory for `reward.judge_path`.
 
 Data: preference pairs, JSONL rows {prompt, chosen, rejected} (the prompt is the policy's problem

@@ -11,12 +11,12 @@ import math
 import time
 
 from megarl.parallel.distributed import init_distributed
-from megarl.trainer import ppo
+from megarl.trainer import rl
 from megarl.trainer.batch import StepBatch
 from megarl.trainer.checkpoint import finalize_async_saves
 from megarl.trainer.components import build_components
 from megarl.trainer.progress import Progress
-from megarl.trainer.rollout import step_collector
+from megarl.trainer.step_collector import step_collector
 from megarl.trainer.state import TrainerState
 
 
@@ -25,7 +25,7 @@ def train(cfg) -> dict:
     run = build_components(cfg)
     al, tr, timer = cfg.algorithm, cfg.trainer, run.timer
     collect = step_collector(cfg, run)
-    kl = ppo.kl_controller(cfg)
+    kl = rl.kl_controller(cfg)
     state = TrainerState(kl_coef=kl.value)
     if tr.resume:
         run.resume(state)
@@ -42,45 +42,45 @@ def train(cfg) -> dict:
         with timer("rollout"), run.generation(release=True):
             trajs, metrics = collect(step, state)
         batch = StepBatch.from_trajectories(trajs)
-        ppo.set_masks(batch, cfg)
-        rows, minibatches = ppo.local_minibatches(
-            ppo.split_minibatches(batch, al.mini_batch_size, tr.seed + step, run.dp_rank, run.dp_size))
+        rl.set_masks(batch, cfg)
+        rows, minibatches = rl.local_minibatches(
+            rl.split_minibatches(batch, al.mini_batch_size, tr.seed + step, run.dp_rank, run.dp_size))
         local = batch.select(rows)
 
         # ---- prepare -----------------------------------------------------------------------------
-        pretraining_critic = ppo.value_pretraining(cfg, step, state.value_pretrain_end)
+        pretraining_critic = rl.value_pretraining(cfg, step, state.value_pretrain_end)
         with timer("prepare"):
-            local.old_logprobs = ppo.compute_log_probs(run.actor, local, cfg.rollout.temperature)
+            local.old_logprobs = rl.compute_log_probs(run.actor, local, cfg.rollout.temperature)
             metrics.update(run.actor.routing_metrics)  # MoE: engine/trainer routing agreement of this pass
             if run.ref is not None:
-                local.ref_logprobs = ppo.compute_log_probs(run.ref, local, cfg.rollout.temperature)
+                local.ref_logprobs = rl.compute_log_probs(run.ref, local, cfg.rollout.temperature)
             if run.prm is not None:  # code PRM: dense line rewards (megarl.trainer.prm)
                 local.prm_rewards = run.prm.dense_rewards(local)
             if run.critic is not None:
-                local.values = ppo.compute_values(run.critic, local)
-            metrics.update(ppo.rollout_correction(local, cfg, run.dp_group))
-            metrics.update(ppo.compute_advantages(batch, local, rows, cfg, run.dp_group, kl.value, pretraining_critic))
+                local.values = rl.compute_values(run.critic, local)
+            metrics.update(rl.rollout_correction(local, cfg, run.dp_group))
+            metrics.update(rl.compute_advantages(batch, local, rows, cfg, run.dp_group, kl.value, pretraining_critic))
 
         # ---- train -------------------------------------------------------------------------------
         for _ in range(al.ppo_epochs):
             if run.critic is not None:
                 with timer("critic_update"):
                     metrics["critic/lr"] = run.critic.set_lr(step)
-                    metrics.update(ppo.update(run.critic, local, minibatches, lambda c: ppo.critic_loss_fn(cfg, c),
+                    metrics.update(rl.update(run.critic, local, minibatches, lambda c: rl.critic_loss_fn(cfg, c),
                                               run.dp_group, local.value_mask))
-                metrics.update(ppo.explained_variance(local, run.dp_group))
+                metrics.update(rl.explained_variance(local, run.dp_group))
             if not pretraining_critic:
                 with timer("actor_update"):
                     metrics["actor/lr"] = run.actor.set_lr(step - policy_start(al, state))
-                    metrics.update(ppo.update(run.actor, local, minibatches,
-                                              lambda c: ppo.actor_loss_fn(cfg, c, cfg.rollout.temperature),
+                    metrics.update(rl.update(run.actor, local, minibatches,
+                                              lambda c: rl.actor_loss_fn(cfg, c, cfg.rollout.temperature),
                                               run.dp_group, local.loss_mask))
-        if pretraining_critic and ppo.value_pretraining_converged(cfg, metrics["critic/explained_variance"]):
+        if pretraining_critic and rl.value_pretraining_converged(cfg, metrics["critic/explained_variance"]):
             state.value_pretrain_end = step + 1
         if run.critic is not None:
             metrics["critic/pretraining"] = float(pretraining_critic)
         _check_finite(metrics, step)
-        metrics.update(ppo.logprob_mismatch(local, run.dp_group))
+        metrics.update(rl.logprob_mismatch(local, run.dp_group))
         if "actor/reward_kl" in metrics:
             kl.update(metrics["actor/reward_kl"], len(batch))
         state.step, state.kl_coef = step + 1, kl.value

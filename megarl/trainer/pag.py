@@ -1,4 +1,4 @@
-"""PAG in the trainer (ALGORITHMS.md §8, algorithm.pag.*): multi-turn rollouts scored per turn,
+"""PAG in the trainer (docs/algorithms.md §8, algorithm.pag.*): multi-turn rollouts scored per turn,
 per-turn rewards, turn-independent GAE inputs, RoleAdvNorm with DP-reduced per-role moments,
 and the PAG metrics.
 
@@ -10,7 +10,7 @@ and the PAG metrics.
   -1 missing). Trajectory.acc = the last policy turn's correctness (final accuracy);
   Trajectory.score = the trajectory's summed PAG turn rewards (a diagnostic; the advantages use
   the per-turn rewards).
-- Advantages (`ppo.compute_advantages`): token rewards = pag_turn_rewards (R_y, revision bonus
+- Advantages (`rl.compute_advantages`): token rewards = pag_turn_rewards (R_y, revision bonus
   alpha * (R_y(y_t) - R_y(y_t-1)), R_v, each on the last token of its turn); GAE over the generated
   tokens only (template tokens skipped), reset at every turn start (turn_independent); whitening
   per role (RoleAdvNorm) over the policy-loss tokens of the whole batch.

@@ -1,4 +1,4 @@
-"""Code PRM in the trainer (ALGORITHMS.md §10; the formulas in megarl.algorithms.prm): labelling by
+"""Code PRM in the trainer (docs/algorithms.md §10; the formulas in megarl.algorithms.prm): labelling by
 binary search with the policy's own completions, PRM training, and the PRM's dense line rewards
 during RL.
 
@@ -41,9 +41,9 @@ import torch.distributed as dist
 from megarl.algorithms import prm as P
 from megarl.data.sampler import shard_for_rank
 from megarl.rollout import SamplingParams
-from megarl.trainer import build, ppo
+from megarl.trainer import build, rl
 from megarl.trainer.batch import MicroBatch, StepBatch, Trajectory
-from megarl.trainer.rollout import all_gather_list
+from megarl.trainer.generation import all_gather_list
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ def fit_stats(model, rows: list[dict]) -> dict[str, float]:
     if not rows:
         return {"lines": 0}
     batch = rows_batch(rows)
-    v = ppo.compute_values(model, batch)
+    v = rl.compute_values(model, batch)
     m = batch.value_mask.bool()
     pred, y = v[m], batch.returns[m]
     return {"lines": int(m.sum()), "mse": float(((pred - y) ** 2).mean()),
@@ -221,8 +221,8 @@ def train_prm(cfg, hf_config, actor, rows: list[dict], save_to: Path) -> dict:
             queue += fresh
         batch = rows_batch([train[i] for i in queue[: p.batch_size]])
         del queue[: p.batch_size]
-        local = ppo.split_minibatches(batch, len(batch), step, dp_rank, dp_size)[0]
-        counts = ppo.global_counts(batch, local, dp_group, batch.value_mask)
+        local = rl.split_minibatches(batch, len(batch), step, dp_rank, dp_size)[0]
+        counts = rl.global_counts(batch, local, dp_group, batch.value_mask)
         model.set_lr(step)
         mse.append(model.train_step(batch, mse_loss_fn(counts), local)["prm/mse"])
     stats["after"] = {"train": fit_stats(model, train), "heldout": fit_stats(model, held)}
@@ -285,6 +285,6 @@ class PrmScorer:
         self.lambda_fail, self.lambda_pass = cfg.prm.lambda_fail, cfg.prm.lambda_pass
 
     def dense_rewards(self, batch: StepBatch) -> torch.Tensor:
-        values = ppo.compute_values(self.model, batch)
+        values = rl.compute_values(self.model, batch)
         mask = P.line_end_mask(batch.response_ids, self.newline_ids, batch.width)
         return P.dense_line_rewards(values, mask, batch.acc, self.lambda_fail, self.lambda_pass)

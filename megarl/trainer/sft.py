@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.parallel.distributed import init_distributed
-from megarl.trainer import build, ppo
+from megarl.trainer import build, rl
 from megarl.trainer.batch import MicroBatch, StepBatch, Trajectory
 from megarl.trainer.metrics import MetricsLogger
 from megarl.trainer.progress import Progress
@@ -126,8 +126,8 @@ def sft(cfg, max_steps: int | None = None, save_to: str | None = None) -> dict:
         batch = StepBatch.from_trajectories([rows[i] for i in order[: cfg.sft.batch_size]])
         del order[: cfg.sft.batch_size]
         batch.loss_mask = batch.response_mask
-        local = ppo.split_minibatches(batch, len(batch), step, dp_rank, dp_size)[0]
-        counts = ppo.global_counts(batch, local, dp_group, batch.loss_mask)
+        local = rl.split_minibatches(batch, len(batch), step, dp_rank, dp_size)[0]
+        counts = rl.global_counts(batch, local, dp_group, batch.loss_mask)
         actor.set_lr(step)
         metrics = actor.train_step(batch, nll_loss_fn(counts), local)
         nll = metrics["sft/nll"]

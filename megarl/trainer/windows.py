@@ -1,4 +1,4 @@
-"""T-PPO successive batching (ALGORITHMS §5): the rollout phase of a step with rollout.window_tokens.
+"""T-PPO successive batching (docs/algorithms.md §5): the rollout phase of a step with rollout.window_tokens.
 
 prompts_per_step * n_samples_per_prompt slots are active at once. At step k (policy version k):
 
@@ -22,7 +22,7 @@ import dataclasses
 
 from megarl.algorithms.tppo import staleness_histogram
 from megarl.trainer.batch import Trajectory
-from megarl.trainer.rollout import generation_metrics, sampling_from_config, step_seed
+from megarl.trainer.generation import generation_metrics, sampling_from_config, step_seed
 
 
 def split_stale(in_flight: list[Trajectory], version: int,

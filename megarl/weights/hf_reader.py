@@ -1,20 +1,25 @@
-"""Rank-local reads from HF safetensors checkpoints (single file or sharded with an index).
+"""Reading an HF checkpoint directory: safetensors (single file or sharded with an index),
+config.json, generation_config.json and whether a tokenizer is there. megarl's one HF reader: the
+Megatron import, the builtin engine and the SGLang engine all read through it.
 
 `HFCheckpoint.read(name, dim, start, stop)` reads only rows/columns [start, stop) of one tensor
-through `safe_open(...).get_slice`, so a rank never loads tensors (or parts) it does not own.
-Every failure names the tensor and the file.
+through `safe_open(...).get_slice`, so a rank never loads tensors (or parts) it does not own;
+`iter_checkpoint_buckets` yields whole tensors, one bucket per shard file. Every failure names the
+tensor and the file.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any, Iterator
 
 import torch
 from safetensors import safe_open
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 class CheckpointError(RuntimeError):
@@ -98,3 +103,48 @@ class HFCheckpoint:
             raise CheckpointError(
                 f"shape mismatch for tensor {name!r} in {self.file_of(name)}: checkpoint has "
                 f"{tuple(actual)}, the model built from config.json expects {tuple(expected)}")
+
+
+def iter_checkpoint_buckets(hf_dir: str | Path) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """One bucket of (hf_name, tensor) per safetensors shard, in index order (CPU tensors)."""
+    ckpt = HFCheckpoint(hf_dir)
+    by_file: dict[Path, list[str]] = {}
+    for name, path in ckpt.files.items():
+        by_file.setdefault(path, []).append(name)
+    for names in by_file.values():
+        yield [(name, ckpt.read(name)) for name in names]
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: invalid JSON ({err})") from err
+
+
+def read_config(hf_dir: str | Path) -> dict:
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no config.json in the checkpoint directory")
+    return read_json(path)
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
+
+
+def eos_token_ids(config: dict, hf_dir: str | Path | None = None) -> list[int]:
+    """EOS ids from config.json (its `text_config` too) and, when present, generation_config.json
+    (union, ordered)."""
+    ids = _as_id_list(config.get("eos_token_id"))
+    ids += _as_id_list((config.get("text_config") or {}).get("eos_token_id"))  # vision-language configs
+    gen_path = Path(hf_dir) / "generation_config.json" if hf_dir is not None else None
+    if gen_path is not None and gen_path.is_file():
+        ids += _as_id_list(read_json(gen_path).get("eos_token_id"))
+    return list(dict.fromkeys(ids))
+
+
+def has_tokenizer(hf_dir: str | Path) -> bool:
+    return any((Path(hf_dir) / name).is_file() for name in TOKENIZER_FILES)

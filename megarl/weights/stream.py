@@ -1,6 +1,6 @@
 """Stream full, HF-named tensors out of any TP/PP/VPP Megatron layout, in bounded buckets.
 
-This is the weights contract (DESIGN.md): the HF exporter, the builtin engine and the SGLang
+This is the weights contract (docs/design.md, "Contracts"): the HF exporter, the builtin engine and the SGLang
 engine all consume `stream_hf_weights(...)`, an iterator of buckets `[(hf_name, tensor), ...]`.
 
 How a bucket is made (every rank runs the same plan, so collectives line up):

@@ -34,7 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 HARNESS = ["tests/distributed/scripts_liveness.py", "tests/unit/test_config_liveness.py",
            "tests/distributed/launch.py"]
-LOOP, COMPONENTS, PPO = "megarl/trainer/loop.py", "megarl/trainer/components.py", "megarl/trainer/ppo.py"
+LOOP, COMPONENTS, RL = "megarl/trainer/loop.py", "megarl/trainer/components.py", "megarl/trainer/rl.py"
 
 # field -> (what the mutation does, [(file, text, replacement)]); every text must occur in its file
 MUTATIONS: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
@@ -47,7 +47,7 @@ MUTATIONS: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
         (LOOP, "init_distributed(cfg.parallel, seed=cfg.trainer.seed)", "init_distributed(cfg.parallel, seed=0)"),
         (LOOP, "tr.seed + step", "0 + step"),
         (COMPONENTS, "seed=cfg.trainer.seed + step", "seed=0 + step"),
-        ("megarl/trainer/rollout.py", "cfg.trainer.seed * 1_000_003", "0 * 1_000_003"),
+        ("megarl/trainer/generation.py", "cfg.trainer.seed * 1_000_003", "0 * 1_000_003"),
         ("megarl/trainer/build.py", "seed=cfg.trainer.seed", "seed=0")]),
     "trainer.run_dir": ("the logger and checkpoints write to a fixed directory, not trainer.run_dir", [
         (COMPONENTS, "logger=MetricsLogger(cfg.trainer.run_dir,", "logger=MetricsLogger('mutant_run_dir',"),
@@ -67,7 +67,7 @@ MUTATIONS: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
     "trainer.val_before_train": ("loop.py never evaluates before training", [
         (LOOP, "if (tr.val_before_train and state.step == 0)", "if (False and state.step == 0)")]),
     "algorithm.value_pretrain_ev_target": ("value pretraining never ends early (target read as None)", [
-        (PPO, "target = cfg.algorithm.value_pretrain_ev_target", "target = None")]),
+        (RL, "target = cfg.algorithm.value_pretrain_ev_target", "target = None")]),
 }
 
 

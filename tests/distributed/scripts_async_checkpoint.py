@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megarl.config import load_config
 from megarl.parallel.distributed import ParallelSizes, init_distributed
-from megarl.trainer import checkpoint, ppo
+from megarl.trainer import checkpoint, rl
 from megarl.trainer.build import load_hf_config_and_tokenizer
 from megarl.trainer.train_model import TrainModel
 from megarl.weights import load_hf_weights
@@ -65,7 +65,7 @@ def main():
 
     model = fresh()
     batch = fixed_batch(hf_config.vocab_size, cfg)
-    batch.old_logprobs = ppo.compute_log_probs(model, batch, 1.0)
+    batch.old_logprobs = rl.compute_log_probs(model, batch, 1.0)
     state = {"step": 0}
     res = {}
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from megarl.config import load_config
 from megarl.parallel.distributed import ParallelSizes, init_distributed
-from megarl.trainer import ppo
+from megarl.trainer import rl
 from megarl.trainer.batch import StepBatch, Trajectory
 from megarl.trainer.build import load_hf_config_and_tokenizer
 from megarl.trainer.train_model import TrainModel
@@ -41,7 +41,7 @@ def packed_batch(vocab: int, cfg, n: int = 8, max_response: int = 23) -> StepBat
     g = torch.Generator().manual_seed(2)
     batch.advantages = torch.randn(batch.response_mask.shape, generator=g) * batch.response_mask
     batch.returns = torch.randn(batch.response_mask.shape, generator=g) * batch.response_mask
-    ppo.set_masks(batch, cfg)
+    rl.set_masks(batch, cfg)
     return batch
 
 
@@ -57,21 +57,21 @@ def run_layout(cfg, hf_config, tp, pp, cp) -> dict:
     critic = TrainModel(hf_config, cfg.critic, value_head=True, dtype="fp32", seed=0, logprob_chunk_tokens=5)
     critic.copy_backbone_from(actor)
     batch = packed_batch(hf_config.vocab_size, cfg)
-    batch.old_logprobs = ppo.compute_log_probs(actor, batch, 1.0)
-    batch.values = ppo.compute_values(critic, batch)
+    batch.old_logprobs = rl.compute_log_probs(actor, batch, 1.0)
+    batch.values = rl.compute_values(critic, batch)
     out = {"old_logprobs": batch.old_logprobs.tolist(), "values": batch.values.tolist(),
            "microbatches": len(actor.microbatches(batch))}
     batch.old_logprobs = batch.old_logprobs + 0.3 * torch.sin(torch.arange(batch.width)) * batch.response_mask
     dp_rank, dp_size, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
     losses, entropies, norms = [], [], []
     for step in range(2):
-        rows, mbs = ppo.local_minibatches(ppo.split_minibatches(batch, len(batch), step, dp_rank, dp_size))
+        rows, mbs = rl.local_minibatches(rl.split_minibatches(batch, len(batch), step, dp_rank, dp_size))
         local = batch.select(rows)
-        m = ppo.update(actor, local, mbs, lambda c: ppo.actor_loss_fn(cfg, c, 1.0), dp, local.loss_mask)
+        m = rl.update(actor, local, mbs, lambda c: rl.actor_loss_fn(cfg, c, 1.0), dp, local.loss_mask)
         losses.append(m["actor/pg_loss"])
         entropies.append(m["actor/entropy"])
         norms.append(m["actor/grad_norm"])
-    m = ppo.update(critic, local, mbs, lambda c: ppo.critic_loss_fn(cfg, c), dp, local.value_mask)
+    m = rl.update(critic, local, mbs, lambda c: rl.critic_loss_fn(cfg, c), dp, local.value_mask)
     out.update(losses=losses, entropies=entropies, grad_norms=norms,
                critic_loss=m["critic/value_loss"], critic_grad_norm=m["critic/grad_norm"])
     return out

@@ -1,8 +1,8 @@
 """Worker for tests/distributed/test_critic_learns.py (2 gloo ranks, TP=2).
 
 A critic built as the trainer builds it (`build.build_critic`: the actor's backbone plus a value
-head) is trained through the trainer's own path (`ppo.compute_values`, `ppo.compute_advantages`,
-`ppo.update` with `ppo.critic_loss_fn`, `ppo.explained_variance`) on a synthetic task whose outcome
+head) is trained through the trainer's own path (`rl.compute_values`, `rl.compute_advantages`,
+`rl.update` with `rl.critic_loss_fn`, `rl.explained_variance`) on a synthetic task whose outcome
 is a known function of the response: score = +1 if the FIRST response token is `A`, -1 if it is
 `B` (each with probability 1/2), the remaining response tokens are noise. With the reward on the
 last token and gamma = lambda = 1 the return at every response token is the score, so:
@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from megarl.config import load_config
 from megarl.parallel.distributed import init_distributed
-from megarl.trainer import build, ppo
+from megarl.trainer import build, rl
 from megarl.trainer.batch import StepBatch, Trajectory
 from megarl.trainer.build import load_hf_config_and_tokenizer
 
@@ -46,15 +46,15 @@ def synthetic_batch(vocab: int, n: int, seed: int, cfg) -> StepBatch:
                                 rollout_logprobs=[0.0] * len(response), finish_reason="stop",
                                 score=score, acc=score > 0))
     batch = StepBatch.from_trajectories(trajs)
-    ppo.set_masks(batch, cfg)
+    rl.set_masks(batch, cfg)
     return batch
 
 
 def prepare(critic, batch: StepBatch, cfg, dp_group) -> StepBatch:
     rows = list(range(len(batch)))
     batch.old_logprobs = torch.zeros_like(batch.response_mask)
-    batch.values = ppo.compute_values(critic, batch)
-    ppo.compute_advantages(batch, batch, rows, cfg, dp_group, 0.0, value_pretraining=True)
+    batch.values = rl.compute_values(critic, batch)
+    rl.compute_advantages(batch, batch, rows, cfg, dp_group, 0.0, value_pretraining=True)
     return batch
 
 
@@ -76,16 +76,16 @@ def main():
     history = []
     for step in range(a.steps):
         batch = prepare(critic, synthetic_batch(vocab, 32, seed=step, cfg=cfg), cfg, dp_group)
-        history.append(ppo.explained_variance(batch, dp_group)["critic/explained_variance"])
+        history.append(rl.explained_variance(batch, dp_group)["critic/explained_variance"])
         critic.set_lr(step)
-        ppo.update(critic, batch, [list(range(len(batch)))], lambda c: ppo.critic_loss_fn(cfg, c), dp_group,
+        rl.update(critic, batch, [list(range(len(batch)))], lambda c: rl.critic_loss_fn(cfg, c), dp_group,
                    batch.value_mask)
     held_out = prepare(critic, synthetic_batch(vocab, 64, seed=10_000, cfg=cfg), cfg, dp_group)
     m = held_out.value_mask.bool()
     err = (held_out.values - held_out.returns) ** 2
     res = {
         "ev_first": history[0], "ev_history": history,
-        "ev_held_out": ppo.explained_variance(held_out, dp_group)["critic/explained_variance"],
+        "ev_held_out": rl.explained_variance(held_out, dp_group)["critic/explained_variance"],
         "mse_token0": float(err[:, 0].mean()), "abs_value_token0": float(held_out.values[:, 0].abs().mean()),
         "mse_later": float(err[:, 1:][m[:, 1:]].mean()),
         "returns_token0": held_out.returns[:, 0].tolist(), "scores": held_out.score.tolist(),

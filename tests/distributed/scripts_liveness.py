@@ -42,7 +42,7 @@ SHOWN_ELSEWHERE = {
     "model.logprob_chunk_tokens": "tests/distributed/test_cp.py::test_chunked_views_equal_unchunked_and_the_formulas "
                                   "(the chunk size changes memory, not results: the test shows chunks of 1, 3 and "
                                   "4096 tokens give the same log-probs, entropy and gradients); "
-                                  "tools/bench_long_context.py measures the memory",
+                                  "tools/bench/long_context.py measures the memory",
     "algorithm.gpg_alpha": "tests/unit/test_algorithms_objectives.py::test_gpg_alpha_field_is_live_in_the_trainer "
                            "(alpha differs from 1 only with an all-equal group, which the fixed batch here lacks)",
     "trainer.resume": "tests/distributed/test_trainer.py::test_resume_matches_uninterrupted_run",
@@ -158,11 +158,8 @@ def obs_impl(ctx, cfg):
 
 
 def obs_planner(ctx, cfg):
-    import importlib.util
+    from megarl import planner as plan
 
-    spec = importlib.util.spec_from_file_location("megarl_plan_tool", REPO / "tools" / "plan.py")
-    plan = sys.modules.setdefault("megarl_plan_tool", importlib.util.module_from_spec(spec))
-    spec.loader.exec_module(plan)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_path=None))
     return repr(plan.load_arch(cfg)[0])
 
@@ -282,7 +279,7 @@ def obs_rollout_kv_cache(ctx, cfg):
 
     from megarl.data.dataset import PromptItem
     from megarl.trainer import build
-    from megarl.trainer.rollout import RolloutWorker, sampling_from_config
+    from megarl.trainer.generation import RolloutWorker, sampling_from_config
 
     hf, tok = _hf(ctx, cfg)
     engine = build.build_engine(cfg, hf, tok)
@@ -297,7 +294,7 @@ def obs_rollout_kv_cache(ctx, cfg):
 
 
 def obs_sampling(ctx, cfg):
-    from megarl.trainer.rollout import sampling_from_config
+    from megarl.trainer.generation import sampling_from_config
 
     return repr(sampling_from_config(cfg.rollout, seed=0))
 
@@ -321,7 +318,7 @@ class ScriptedWorker:
 
 
 def obs_collect(ctx, cfg):
-    from megarl.trainer.rollout import collect_step_batch
+    from megarl.trainer.step_collector import collect_step_batch
 
     stream = iter(f"p{i}" for i in range(10_000))
     buffer: list = []
@@ -334,7 +331,7 @@ def obs_collect(ctx, cfg):
 
 
 def obs_collect_function(ctx, cfg):
-    from megarl.trainer.rollout import collect_function
+    from megarl.trainer.step_collector import collect_function
 
     return collect_function(cfg).__qualname__
 
@@ -343,7 +340,7 @@ def obs_score(ctx, cfg):
     from megarl.data.dataset import PromptItem
     from megarl.rollout import Sample
     from megarl.trainer.build import build_rewards
-    from megarl.trainer.rollout import RolloutWorker
+    from megarl.trainer.generation import RolloutWorker
 
     _, tok = _hf(ctx, cfg)
     worker = RolloutWorker(None, tok, build_rewards(cfg), cfg)
@@ -355,33 +352,33 @@ def obs_score(ctx, cfg):
 
 
 def obs_masks(ctx, cfg):
-    from megarl.trainer import ppo
+    from megarl.trainer import rl
 
     batch = fixed_batch(cfg)
-    ppo.set_masks(batch, cfg)
+    rl.set_masks(batch, cfg)
     return [_round(batch.loss_mask.sum(-1)), _round(batch.value_mask.sum(-1))]
 
 
 def obs_window_masks(ctx, cfg):
     """T-PPO token filtering of a batch with carried samples (window_start > 0)."""
-    from megarl.trainer import ppo
+    from megarl.trainer import rl
     from megarl.trainer.batch import StepBatch, Trajectory
 
     batch = StepBatch.from_trajectories([Trajectory(str(i), [5, 6], [7] * 6, [-1.0] * 6, ["truncated", "stop"][i % 2],
                                                     window_start=2 * i % 5) for i in range(4)])
-    ppo.set_masks(batch, cfg)
+    rl.set_masks(batch, cfg)
     return [_round(batch.loss_mask.sum(-1)), _round(batch.value_mask.sum(-1))]
 
 
 def obs_rollout_is(ctx, cfg):
     """The off-policy correction of the fixed batch (rollout log-probs -1, old log-probs in (-1, 0]):
     advantages, loss mask, metrics."""
-    from megarl.trainer import ppo
+    from megarl.trainer import rl
 
     batch = fixed_batch(cfg)
-    ppo.set_masks(batch, cfg)
-    metrics = ppo.rollout_correction(batch, cfg, None)
-    ppo.compute_advantages(batch, batch, list(range(len(batch))), cfg, None, 0.0)
+    rl.set_masks(batch, cfg)
+    metrics = rl.rollout_correction(batch, cfg, None)
+    rl.compute_advantages(batch, batch, list(range(len(batch))), cfg, None, 0.0)
     return {"adv": _round(batch.advantages), "mask": _round(batch.loss_mask.sum(-1)),
             "m": {k: round(v, 6) for k, v in sorted(metrics.items())}}
 
@@ -404,32 +401,32 @@ def obs_windows(ctx, cfg):
 
 
 def obs_advantages(ctx, cfg):
-    from megarl.trainer import ppo
+    from megarl.trainer import rl
 
     batch = fixed_batch(cfg)
-    ppo.set_masks(batch, cfg)
+    rl.set_masks(batch, cfg)
     local = batch.select(list(range(len(batch))))
-    kl = ppo.kl_controller(cfg)
-    metrics = ppo.compute_advantages(batch, local, list(range(len(batch))), cfg, None, kl.value,
-                                     ppo.value_pretraining(cfg, 0))
+    kl = rl.kl_controller(cfg)
+    metrics = rl.compute_advantages(batch, local, list(range(len(batch))), cfg, None, kl.value,
+                                     rl.value_pretraining(cfg, 0))
     return {"adv": _round(local.advantages), "ret": _round(local.returns), "m": sorted(metrics)}
 
 
 def obs_kl_controller(ctx, cfg):
-    from megarl.trainer import ppo
+    from megarl.trainer import rl
 
-    kl = ppo.kl_controller(cfg)
+    kl = rl.kl_controller(cfg)
     kl.update(0.5, 1000)
     return round(kl.value, 8)
 
 
 def _microbatch(cfg):
     from megarl.parallel.distributed import device
-    from megarl.trainer import ppo
+    from megarl.trainer import rl
     from megarl.trainer.batch import build_microbatch
 
     batch = fixed_batch(cfg)
-    ppo.set_masks(batch, cfg)
+    rl.set_masks(batch, cfg)
     g = torch.Generator().manual_seed(1)
     batch.advantages = torch.randn(batch.response_mask.shape, generator=g) * batch.response_mask
     batch.returns = torch.randn(batch.response_mask.shape, generator=g) * batch.response_mask
@@ -439,33 +436,33 @@ def _microbatch(cfg):
 
 
 def obs_actor_loss(ctx, cfg):
-    from megarl.trainer import ppo
+    from megarl.trainer import rl
 
     batch, mb, logits = _microbatch(cfg)
     with torch.no_grad():  # old log-probs near the current ones: ratios around 1, some clipped each way
         per_position = torch.log_softmax(logits.float(), -1).gather(-1, mb.targets.unsqueeze(-1)).squeeze(-1)
         logp = per_position.reshape(-1)[mb.resp_index] * mb.data.response_mask
         mb.data.old_logprobs = logp + 0.4 * torch.sin(torch.arange(logp.numel(), device=logp.device).reshape(logp.shape))
-    counts = ppo.global_counts(batch, list(range(len(batch))), None, batch.loss_mask)
-    loss, logs = ppo.actor_loss_fn(cfg, counts, cfg.rollout.temperature)(mb, logits)
+    counts = rl.global_counts(batch, list(range(len(batch))), None, batch.loss_mask)
+    loss, logs = rl.actor_loss_fn(cfg, counts, cfg.rollout.temperature)(mb, logits)
     loss.backward()
     return {"loss": round(float(loss), 6), "grad": round(float(logits.grad.abs().sum()), 5),
             "logs": {k: round(float(v), 6) for k, v in sorted(logs.items())}}
 
 
 def obs_critic_loss(ctx, cfg):
-    from megarl.trainer import ppo
+    from megarl.trainer import rl
 
     batch, mb, out = _microbatch(cfg)
-    counts = ppo.global_counts(batch, list(range(len(batch))), None, batch.value_mask)
-    loss, logs = ppo.critic_loss_fn(cfg, counts)(mb, out[..., :1])
+    counts = rl.global_counts(batch, list(range(len(batch))), None, batch.value_mask)
+    loss, logs = rl.critic_loss_fn(cfg, counts)(mb, out[..., :1])
     return {"loss": round(float(loss), 6), "logs": {k: round(float(v), 6) for k, v in sorted(logs.items())}}
 
 
 def obs_minibatches(ctx, cfg):
-    from megarl.trainer import ppo
+    from megarl.trainer import rl
 
-    return ppo.split_minibatches(fixed_batch(cfg), cfg.algorithm.mini_batch_size, cfg.trainer.seed, 0, 1)
+    return rl.split_minibatches(fixed_batch(cfg), cfg.algorithm.mini_batch_size, cfg.trainer.seed, 0, 1)
 
 
 def _run_components(ctx, cfg):
@@ -680,7 +677,7 @@ WITNESSES = {
     "rollout.fire": W("true", obs_sampling),
     "rollout.fire_temperature": W("10.0", obs_sampling),
     "rollout.fire_top_k": W("4", obs_sampling),
-    "rollout.function": W("megarl.trainer.rollout:collect_step_batch", obs_collect_function,
+    "rollout.function": W("megarl.trainer.step_collector:collect_step_batch", obs_collect_function,
                           "rollout.function=tests.distributed.scripts_liveness:ScriptedWorker"),
     "rollout.weight_bucket_mb": W("4", obs_sync_buckets, "model.hf_path={root}/model_c"),
     "rollout.offload_train_state": W("false", obs_generation_offloads),

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from megarl.config import load_config
 from megarl.parallel.distributed import ParallelSizes, device, init_distributed
-from megarl.trainer import ppo
+from megarl.trainer import rl
 from megarl.trainer.batch import StepBatch, Trajectory
 from megarl.trainer.train_model import TrainModel
 from tests.distributed import scripts_cp
@@ -53,9 +53,9 @@ def update(model, cfg, batch: StepBatch, seed: int) -> dict:
     from megatron.core import parallel_state as ps
 
     dp_rank, dp_size, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
-    rows, mbs = ppo.local_minibatches(ppo.split_minibatches(batch, len(batch), seed, dp_rank, dp_size))
+    rows, mbs = rl.local_minibatches(rl.split_minibatches(batch, len(batch), seed, dp_rank, dp_size))
     local = batch.select(rows)
-    return ppo.update(model, local, mbs, lambda c: ppo.actor_loss_fn(cfg, c, 1.0), dp, local.loss_mask)
+    return rl.update(model, local, mbs, lambda c: rl.actor_loss_fn(cfg, c, 1.0), dp, local.loss_mask)
 
 
 def streamed(model, hf_config) -> dict:
@@ -68,7 +68,7 @@ def streamed(model, hf_config) -> dict:
 def run_layout(cfg, hf_config, path, tp, ep, before: dict | None) -> tuple[dict, dict]:
     model = actor(cfg, hf_config, path, tp, ep)
     batch = packed_batch(hf_config.vocab_size, cfg)
-    batch.old_logprobs = ppo.compute_log_probs(model, batch, 1.0)
+    batch.old_logprobs = rl.compute_log_probs(model, batch, 1.0)
     out = {"old_logprobs": batch.old_logprobs.tolist(), "microbatches": len(model.microbatches(batch))}
     batch.old_logprobs = batch.old_logprobs + 0.3 * torch.sin(torch.arange(batch.width)) * batch.response_mask
     metrics = [update(model, cfg, batch, step) for step in range(2)]
@@ -85,7 +85,7 @@ def freeze_router(cfg, hf_config, path) -> dict:
     model = actor(cfg, hf_config, path, 1, 2, freeze_router=True)
     before = streamed(model, hf_config)
     batch = packed_batch(hf_config.vocab_size, cfg)
-    batch.old_logprobs = ppo.compute_log_probs(model, batch, 1.0) + 0.2 * batch.response_mask
+    batch.old_logprobs = rl.compute_log_probs(model, batch, 1.0) + 0.2 * batch.response_mask
     m = update(model, cfg, batch, 0)
     after = streamed(model, hf_config)
     gate = [k for k in before if k.endswith("mlp.gate.weight")]
@@ -107,7 +107,7 @@ def aux_loss(cfg, hf_config, path) -> dict:
         run = load_config(None, ["model.moe_aux_loss_coeff=0.5", f"model.moe_load_balancing_type={kind}"])
         model = actor(cfg, hf_config, path, 1, 2, model_options=model_options(run.model, run.parallel))
         batch = packed_batch(hf_config.vocab_size, cfg)
-        batch.old_logprobs = ppo.compute_log_probs(model, batch, 1.0)
+        batch.old_logprobs = rl.compute_log_probs(model, batch, 1.0)
         batch.old_logprobs = batch.old_logprobs + 0.3 * torch.sin(torch.arange(batch.width)) * batch.response_mask
         out[kind] = update(model, cfg, batch, 0)["actor/grad_norm"]
     return out
@@ -130,7 +130,7 @@ def dense_sequence_parallel(cfg, root: Path) -> dict:
         model = actor(cfg, hf_config, path, tp, 1)
         out[f"tp{tp}_sequence_parallel"] = model.config.sequence_parallel
         batch = packed_batch(hf_config.vocab_size, cfg)
-        batch.old_logprobs = ppo.compute_log_probs(model, batch, 1.0)
+        batch.old_logprobs = rl.compute_log_probs(model, batch, 1.0)
         batch.old_logprobs = batch.old_logprobs + 0.3 * torch.sin(torch.arange(batch.width)) * batch.response_mask
         m = [update(model, cfg, batch, step) for step in range(2)]
         out[f"tp{tp}"] = {"losses": [x["actor/pg_loss"] for x in m], "grad_norms": [x["actor/grad_norm"] for x in m]}
@@ -171,7 +171,7 @@ def used_routing_fraction(model, local: StepBatch) -> list[float]:
     seen: list[tuple[int, torch.Tensor]] = []
     handles = [router.register_forward_hook(lambda m, a, out, i=i: seen.append((i, out[1].detach().cpu())))
                for c in model.modules for i, router in moe_routers(c)]
-    ppo.compute_log_probs(model, local, 1.0)
+    rl.compute_log_probs(model, local, 1.0)
     for h in handles:
         h.remove()
     agree = slots = 0.0
@@ -200,11 +200,11 @@ def replay_case(cfg, hf_config, path, batch: StepBatch, tp, ep, replay: bool, pe
     if perturb:
         perturb_routers(model, perturb)
     batch = batch.select(list(range(len(batch))))  # a copy: the training pass writes fields
-    ppo.set_masks(batch, cfg)
+    rl.set_masks(batch, cfg)
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     rows = [i for i in range(len(batch)) if i % dp_size == dp_rank]
     local = batch.select(rows)
-    local.old_logprobs = ppo.compute_log_probs(model, local, 1.0)
+    local.old_logprobs = rl.compute_log_probs(model, local, 1.0)
     out = dict(model.routing_metrics)
     diff = ((local.old_logprobs - local.rollout_logprobs).abs() * local.response_mask).max().reshape(1).to(device())
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
@@ -215,7 +215,7 @@ def replay_case(cfg, hf_config, path, batch: StepBatch, tp, ep, replay: bool, pe
         dist.all_reduce(s)
         out["own_used_equal_engine"] = float(s[0] / s[1])
     if train:
-        batch.old_logprobs = ppo.compute_log_probs(model, batch, 1.0) + 0.2 * batch.response_mask
+        batch.old_logprobs = rl.compute_log_probs(model, batch, 1.0) + 0.2 * batch.response_mask
         batch.advantages = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(4))
         batch.advantages *= batch.response_mask
         m = update(model, cfg, batch, 0)

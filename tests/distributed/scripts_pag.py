@@ -36,10 +36,10 @@ def write_sft_rows(path: Path, verify: str, revise: str, n: int = 96) -> None:
 
 
 def case_components(cfg) -> dict:
-    from megarl.trainer import ppo
+    from megarl.trainer import rl
     from megarl.trainer.batch import StepBatch
     from megarl.trainer.components import build_components
-    from megarl.trainer.rollout import step_collector
+    from megarl.trainer.step_collector import step_collector
     from megarl.trainer.state import TrainerState
 
     run = build_components(cfg)
@@ -48,11 +48,11 @@ def case_components(cfg) -> dict:
     with run.generation(release=True):
         trajs, metrics = step_collector(cfg, run)(0, TrainerState())
     batch = StepBatch.from_trajectories(trajs)
-    ppo.set_masks(batch, cfg)
-    rows, _ = ppo.local_minibatches(ppo.split_minibatches(batch, len(batch), 0, run.dp_rank, run.dp_size))
+    rl.set_masks(batch, cfg)
+    rows, _ = rl.local_minibatches(rl.split_minibatches(batch, len(batch), 0, run.dp_rank, run.dp_size))
     local = batch.select(rows)
-    local.old_logprobs = ppo.compute_log_probs(run.actor, local, cfg.rollout.temperature)
-    out = {"metrics": metrics, "mismatch": ppo.logprob_mismatch(local, run.dp_group), "trajectories": []}
+    local.old_logprobs = rl.compute_log_probs(run.actor, local, cfg.rollout.temperature)
+    out = {"metrics": metrics, "mismatch": rl.logprob_mismatch(local, run.dp_group), "trajectories": []}
     for i, r in enumerate(rows):  # local row i is batch row r (split_minibatches shuffles)
         t, n = trajs[r], len(trajs[r].response_ids)
         out["trajectories"].append({

@@ -28,7 +28,7 @@ def main():
     cfg = load_config(a.config, a.overrides)
     init_distributed(cfg.parallel, seed=cfg.trainer.seed)
 
-    from megarl.trainer import build, ppo
+    from megarl.trainer import build, rl
     from megarl.trainer.batch import StepBatch, Trajectory
     from megarl.trainer.prm import PrmScorer, ensure_prm
     from megarl.trainer.sft import sft
@@ -54,7 +54,7 @@ def main():
                    score=float(i % 2), acc=bool(i % 2)) for i, r in enumerate(rows)])
     actor = build.build_actor(cfg, hf_config, optim=False)
     scorer = PrmScorer(cfg, hf_config, tokenizer)
-    prm_values = ppo.compute_values(scorer.model, batch)
+    prm_values = rl.compute_values(scorer.model, batch)
     critic = build.build_critic(cfg, hf_config, actor)
     cfg.prm.init_critic = False
     plain_critic = build.build_critic(cfg, hf_config, actor)
@@ -66,8 +66,8 @@ def main():
     without_dense = _prm_scorer(cfg, hf_config, tokenizer) is not None
     res = {
         "stats": stats, "reused": again == stats, "other_policy_error": other_policy_error,
-        "critic_vs_prm_max_diff": float((ppo.compute_values(critic, batch) - prm_values).abs().max()),
-        "actor_critic_vs_prm_max_diff": float((ppo.compute_values(plain_critic, batch) - prm_values).abs().max()),
+        "critic_vs_prm_max_diff": float((rl.compute_values(critic, batch) - prm_values).abs().max()),
+        "actor_critic_vs_prm_max_diff": float((rl.compute_values(plain_critic, batch) - prm_values).abs().max()),
         "response_ids": batch.response_ids, "acc": batch.acc.tolist(),
         "prm_values": prm_values.tolist(), "dense": dense.tolist(), "newline_ids": sorted(scorer.newline_ids),
         "scorer_with_dense_reward": with_dense, "scorer_without_dense_reward": without_dense,

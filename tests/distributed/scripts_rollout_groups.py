@@ -17,7 +17,7 @@ from megarl.config import load_config
 from megarl.data.dataset import PromptItem
 from megarl.rollout import BuiltinEngine, SamplingParams
 from megarl.trainer.build import build_rewards, engine_group, load_hf_config_and_tokenizer
-from megarl.trainer.rollout import RolloutWorker
+from megarl.trainer.generation import RolloutWorker
 
 
 class RecordingEngine(BuiltinEngine):

@@ -27,15 +27,15 @@ def entropy_and_whitening(cfg, batch, dp) -> dict:
     policy-loss tokens only (overlong-filtered samples left out)."""
     import dataclasses
 
-    from megarl.trainer import ppo
+    from megarl.trainer import rl
     from megarl.trainer.batch import build_microbatch
 
     seq_cfg = dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, loss_agg="seq-mean-token-mean"))
     mb = build_microbatch(batch, list(range(len(batch)))).to(device())
     # 128 columns: every token id of the batch (< 100) is a class of the vocabulary
     logits = torch.randn(*mb.input_ids.shape, 128, generator=torch.Generator().manual_seed(2)).to(device())
-    counts = ppo.global_counts(batch, list(range(len(batch))), dp, batch.loss_mask)
-    _, logs = ppo.actor_loss_fn(seq_cfg, counts, 1.0)(mb, logits)
+    counts = rl.global_counts(batch, list(range(len(batch))), dp, batch.loss_mask)
+    _, logs = rl.actor_loss_fn(seq_cfg, counts, 1.0)(mb, logits)
     ent = torch.distributions.Categorical(logits=logits.cpu().reshape(-1, 128)).entropy()
     per_tok = ent.reshape(-1)[mb.resp_index.cpu()] * batch.response_mask
     m = batch.loss_mask
@@ -44,12 +44,12 @@ def entropy_and_whitening(cfg, batch, dp) -> dict:
     gae_cfg = dataclasses.replace(cfg, algorithm=dataclasses.replace(
         cfg.algorithm, advantage="gae", whiten_advantages=True, overlong_filter=True))
     batch.finish_reason[0] = "length"  # overlong-filtered
-    ppo.set_masks(batch, gae_cfg)
+    rl.set_masks(batch, gae_cfg)
     batch.values = torch.zeros_like(batch.response_mask)
     batch.score = torch.tensor([100.0, 1.0, -1.0, 0.5])  # the filtered sample's huge reward must not skew the moments
     rows = list(range(len(batch)))
     local = batch.select(rows)
-    ppo.compute_advantages(batch, local, rows, gae_cfg, dp, 0.0)
+    rl.compute_advantages(batch, local, rows, gae_cfg, dp, 0.0)
     a, lm = local.advantages, local.loss_mask
     mean = float((a * lm).sum() / lm.sum())
     var = float((((a - mean) * lm) ** 2).sum() / (lm.sum() - 1))
@@ -61,7 +61,7 @@ def main(model_dir: str, out: str) -> None:
     from megatron.core import parallel_state as ps
 
     from megarl.config import load_config
-    from megarl.trainer import ppo
+    from megarl.trainer import rl
     from megarl.trainer.batch import StepBatch, Trajectory, build_microbatch
     from megarl.trainer.build import load_hf_config_and_tokenizer
     from megarl.models.attention import thd_params
@@ -83,7 +83,7 @@ def main(model_dir: str, out: str) -> None:
         r = [rng.randrange(3, 100) for _ in range(rng.randint(2, 6))]
         trajs.append(Trajectory(str(i // 2), [rng.randrange(3, 100) for _ in range(4)], r, [0.0] * len(r), "stop"))
     batch = StepBatch.from_trajectories(trajs)
-    ppo.set_masks(batch, cfg)
+    rl.set_masks(batch, cfg)
     mb = build_microbatch(batch, [0, 1, 2, 3])
     thd = thd_params(mb.cu_seqlens.to(device()))
     gpt = model.modules[0]
@@ -102,10 +102,10 @@ def main(model_dir: str, out: str) -> None:
         "loss_with_host_mask": error_of(lambda: (torch.ones(2, 3, device=device()) * torch.ones(2, 3)).sum()),
     }
     # the real code path: prepare, one train step, one weight stream, all on the device
-    batch.old_logprobs = ppo.compute_log_probs(model, batch, 1.0)
+    batch.old_logprobs = rl.compute_log_probs(model, batch, 1.0)
     batch.advantages = torch.linspace(-1, 1, batch.response_mask.numel()).reshape(batch.response_mask.shape)
-    counts = ppo.global_counts(batch, [0, 1, 2, 3], dp, batch.loss_mask)
-    metrics = model.train_step(batch, ppo.actor_loss_fn(cfg, counts, 1.0))
+    counts = rl.global_counts(batch, [0, 1, 2, 3], dp, batch.loss_mask)
+    metrics = model.train_step(batch, rl.actor_loss_fn(cfg, counts, 1.0))
     res["train_step_grad_norm"] = metrics["grad_norm"]
     streamed = [t for bucket in stream_hf_weights(model.modules, hf_config, 1 << 20) for _, t in bucket]
     res["streamed_tensors"] = len(streamed)

@@ -2,7 +2,7 @@
 
 1. mismatch: the builtin engine samples responses from the HF weights; the trainer built at
    TP=1 (DP=2), TP=2 and PP=2 from the same weights recomputes their log-probs ->
-   `ppo.logprob_mismatch` per layout (the regression gate bounds it).
+   `rl.logprob_mismatch` per layout (the regression gate bounds it).
 2. tppo: the RL loop with T-PPO windows run 4 steps straight, and 2 steps + resume to 4 in
    another run dir -> metrics.jsonl rows of both, and the in-flight samples of the step-2
    checkpoint (read back with torch.load(weights_only=True)).
@@ -19,7 +19,7 @@ from megarl.config import load_config
 from megarl.parallel.distributed import ParallelSizes, init_distributed
 from megarl.rollout import SamplingParams
 from megarl.rollout.builtin import BuiltinEngine
-from megarl.trainer import checkpoint, ppo
+from megarl.trainer import checkpoint, rl
 from megarl.trainer.batch import StepBatch, Trajectory
 from megarl.trainer.build import load_hf_config_and_tokenizer
 from megarl.trainer.train_model import TrainModel
@@ -48,11 +48,11 @@ def case_mismatch(cfg, hf_config) -> dict:
         model = TrainModel(hf_config, cfg.actor, dtype="fp32")
         load_hf_weights(model.chunks, cfg.model.hf_path)
         batch = engine_batch(cfg.model.hf_path, cfg.rollout.temperature)
-        rows, _ = ppo.local_minibatches(ppo.split_minibatches(
+        rows, _ = rl.local_minibatches(rl.split_minibatches(
             batch, len(batch), 0, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()))
         local = batch.select(rows)
-        local.old_logprobs = ppo.compute_log_probs(model, local, cfg.rollout.temperature)
-        out[f"tp{tp}_pp{pp}"] = {**ppo.logprob_mismatch(local, ps.get_data_parallel_group()),
+        local.old_logprobs = rl.compute_log_probs(model, local, cfg.rollout.temperature)
+        out[f"tp{tp}_pp{pp}"] = {**rl.logprob_mismatch(local, ps.get_data_parallel_group()),
                                  "tokens": int(batch.response_mask.sum())}
     return out
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from megarl.config import load_config
 from megarl.parallel.distributed import ParallelSizes, init_distributed
-from megarl.trainer import checkpoint, ppo
+from megarl.trainer import checkpoint, rl
 from megarl.trainer.batch import StepBatch, Trajectory
 from megarl.trainer.build import load_hf_config_and_tokenizer
 from megarl.trainer.train_model import TrainModel
@@ -39,7 +39,7 @@ def fixed_batch(vocab: int, cfg, n: int = 8) -> StepBatch:
     batch.advantages = torch.zeros_like(batch.response_mask)
     for i, a in enumerate(advantages):
         batch.advantages[i, : len(a)] = torch.tensor(a)
-    ppo.set_masks(batch, cfg)
+    rl.set_masks(batch, cfg)
     return batch
 
 
@@ -48,10 +48,10 @@ def train_two_steps(model, cfg, batch) -> tuple[list[float], list[float]]:
 
     losses, norms = [], []
     for step in range(2):
-        rows, mbs = ppo.local_minibatches(ppo.split_minibatches(
+        rows, mbs = rl.local_minibatches(rl.split_minibatches(
             batch, len(batch), step, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()))
         local = batch.select(rows)
-        m = ppo.update(model, local, mbs, lambda c: ppo.actor_loss_fn(cfg, c, 1.0), ps.get_data_parallel_group(),
+        m = rl.update(model, local, mbs, lambda c: rl.actor_loss_fn(cfg, c, 1.0), ps.get_data_parallel_group(),
                        local.loss_mask)
         losses.append(m["actor/pg_loss"])
         norms.append(m["actor/grad_norm"])
@@ -70,7 +70,7 @@ def case_layouts(cfg, hf_config) -> dict:
         load_hf_weights(model.chunks, cfg.model.hf_path)
         model.optimizer.reload_model_params()
         batch = fixed_batch(hf_config.vocab_size, cfg)
-        batch.old_logprobs = ppo.compute_log_probs(model, batch, 1.0)
+        batch.old_logprobs = rl.compute_log_probs(model, batch, 1.0)
         # make the clip active on some tokens
         batch.old_logprobs += 0.3 * torch.sin(torch.arange(batch.width)) * batch.response_mask
         losses, norms = train_two_steps(model, cfg, batch)
@@ -103,7 +103,7 @@ def case_nan(cfg, hf_config, root: Path) -> dict:
     model = TrainModel(hf_config, cfg.actor, dtype="fp32")
     model.load(str(latest / "actor"))
     batch = fixed_batch(hf_config.vocab_size, cfg)
-    batch.old_logprobs = ppo.compute_log_probs(model, batch, 1.0)
+    batch.old_logprobs = rl.compute_log_probs(model, batch, 1.0)
     batch.advantages[0, 0] = float("nan")
     error = ""
     try:

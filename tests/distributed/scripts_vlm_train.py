@@ -1,11 +1,11 @@
 """Worker (2 gloo ranks, TP=2 with sequence parallelism, strict device mode): the trainer's own path
 for a vision-language actor and critic (megarl.trainer.batch packed micro-batches with M-RoPE ids
-and the rows' pixels, TrainModel, ppo.update), against the builtin engine after a weight stream.
+and the rows' pixels, TrainModel, rl.update), against the builtin engine after a weight stream.
 
 A tiny random qwen2_5_vl (tests/distributed/scripts_vlm_common.py):
 - one PPO update of the actor on trajectories with images (vision tower trainable), then the
   actor's weights streamed into a `BuiltinEngine`; the engine samples prompts with one image, two
-  images and none, and the trainer's `ppo.compute_log_probs` of those trajectories (several
+  images and none, and the trainer's `rl.compute_log_probs` of those trajectories (several
   sequences with their images packed per micro-batch) is compared with the engine's log-probs;
 - teeth: the trainer's log-probs with the pixels zeroed, or with 1-D positions for the image rows;
 - `freeze_vision`: after an update the streamed `visual.*` tensors are unchanged, the LM changed;
@@ -28,7 +28,7 @@ from megarl.config import load_config
 from megarl.parallel.distributed import ParallelSizes, device, init_distributed
 from megarl.rollout.builtin import BuiltinEngine
 from megarl.rollout.types import PromptImages, SamplingParams
-from megarl.trainer import ppo
+from megarl.trainer import rl
 from megarl.trainer.batch import StepBatch, Trajectory
 from megarl.trainer.train_model import TrainModel
 from megarl.weights import load_hf_weights, stream_hf_weights
@@ -64,12 +64,12 @@ def trajectories(samples, images) -> list[Trajectory]:
 def update(m: TrainModel, cfg, batch: StepBatch, critic: bool = False) -> dict:
     from megatron.core import parallel_state as ps
 
-    ppo.set_masks(batch, cfg)
-    rows, mbs = ppo.local_minibatches(ppo.split_minibatches(batch, len(batch), 0, ps.get_data_parallel_rank(),
+    rl.set_masks(batch, cfg)
+    rows, mbs = rl.local_minibatches(rl.split_minibatches(batch, len(batch), 0, ps.get_data_parallel_rank(),
                                                             ps.get_data_parallel_world_size()))
     local = batch.select(rows)
-    loss = (lambda c: ppo.critic_loss_fn(cfg, c)) if critic else (lambda c: ppo.actor_loss_fn(cfg, c, 1.0))
-    return ppo.update(m, local, mbs, loss, ps.get_data_parallel_group(), local.value_mask if critic else local.loss_mask)
+    loss = (lambda c: rl.critic_loss_fn(cfg, c)) if critic else (lambda c: rl.actor_loss_fn(cfg, c, 1.0))
+    return rl.update(m, local, mbs, loss, ps.get_data_parallel_group(), local.value_mask if critic else local.loss_mask)
 
 
 def streamed(m: TrainModel, hf_config) -> dict:
@@ -117,7 +117,7 @@ def main():
     actor = model(cfg, hf_config, hf_dir)
     before = streamed(actor, hf_config)
     first = StepBatch.from_trajectories(trajectories(engine.generate(ids, sampling, images=images), images))
-    first.old_logprobs = ppo.compute_log_probs(actor, first, 1.0)
+    first.old_logprobs = rl.compute_log_probs(actor, first, 1.0)
     res["pre_update_diff"] = max_masked(first.old_logprobs, first.rollout_logprobs, first.response_mask)
     first.advantages = torch.randn(first.response_mask.shape, generator=torch.Generator().manual_seed(1)) * first.response_mask
     res["update"] = update(actor, cfg, first)
@@ -133,21 +133,21 @@ def main():
     res["rows_with_images"] = sum(im is not None for im in batch.images)
     # a random policy may emit the placeholder id: the trainer embeds it as text, as the engine does
     res["responses_with_placeholder"] = sum(IMAGE in r for r in batch.response_ids)
-    trainer = ppo.compute_log_probs(actor, batch, 1.0)
+    trainer = rl.compute_log_probs(actor, batch, 1.0)
     res["logprob_max_abs_diff"] = max_masked(trainer, batch.rollout_logprobs, batch.response_mask)
     res["n_tokens"] = int(batch.response_mask.sum())
-    zeroed = ppo.compute_log_probs(actor, with_pixels(batch, torch.zeros_like), 1.0)
+    zeroed = rl.compute_log_probs(actor, with_pixels(batch, torch.zeros_like), 1.0)
     res["teeth_zero_pixels"] = max_masked(trainer, zeroed, batch.response_mask)
     # the same micro-batches with each sequence's plain 1-D positions instead of its M-RoPE ids
     flat = [dataclasses.replace(mb, position_ids=mb.position_ids[0] * 0 + _positions(mb)) for mb in actor.microbatches(batch)]
     actor.microbatches = lambda b, rows=None: flat
-    res["teeth_1d_positions"] = max_masked(trainer, ppo.compute_log_probs(actor, batch, 1.0), batch.response_mask)
+    res["teeth_1d_positions"] = max_masked(trainer, rl.compute_log_probs(actor, batch, 1.0), batch.response_mask)
     del actor.microbatches
 
     # freeze_vision: the tower stays as loaded, the LM trains
     frozen = model(cfg, hf_config, hf_dir, freeze_vision=True)
     f0 = streamed(frozen, hf_config)
-    batch.old_logprobs = ppo.compute_log_probs(frozen, batch, 1.0)
+    batch.old_logprobs = rl.compute_log_probs(frozen, batch, 1.0)
     batch.advantages = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(2)) * batch.response_mask
     res["frozen_update"] = update(frozen, cfg, batch)
     f1 = streamed(frozen, hf_config)
@@ -158,13 +158,13 @@ def main():
 
     # a vision-language critic
     critic = model(cfg, hf_config, hf_dir, value_head=True)
-    values = ppo.compute_values(critic, batch)
+    values = rl.compute_values(critic, batch)
     res["values_finite"] = bool(torch.isfinite(values).all())
-    res["values_zero_pixels_diff"] = max_masked(values, ppo.compute_values(critic, with_pixels(batch, torch.zeros_like)),
+    res["values_zero_pixels_diff"] = max_masked(values, rl.compute_values(critic, with_pixels(batch, torch.zeros_like)),
                                                 batch.response_mask)
     batch.values, batch.returns = values, values + batch.response_mask
     res["critic_update"] = update(critic, cfg, batch, critic=True)
-    moved = ppo.compute_values(critic, batch)
+    moved = rl.compute_values(critic, batch)
     res["critic_values_moved"] = max_masked(moved, values, batch.response_mask)
     res["rl_loop"] = rl_loop(work)
     if dist.get_rank() == 0:

@@ -1,4 +1,4 @@
-"""The 5-trial CI version of `python tools/chaos.py --trials 50`: the CPU quickstart job (2 RL
+"""The 5-trial CI version of `python -m tools.bench.chaos --trials 50`: the CPU quickstart job (2 RL
 steps, a checkpoint after each) is SIGKILLed once per trial - the whole job or one rank - in
 each of rollout, reward, update, checkpoint write and `latest` update (one trial saving with
 trainer.async_save), resumed with trainer.resume=true, and must end exactly like the
@@ -15,7 +15,7 @@ from tests.distributed.launch import REPO
 
 def test_five_chaos_trials_lose_nothing(tmp_path):
     out = tmp_path / "chaos.json"
-    proc = subprocess.run([sys.executable, str(REPO / "tools/chaos.py"), "--trials", "5", "--steps", "2",
+    proc = subprocess.run([sys.executable, "-m", "tools.bench.chaos", "--trials", "5", "--steps", "2",
                            "--workdir", str(tmp_path / "work"), "--json", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=1500,
                           env=dict(os.environ, PYTHONWARNINGS="ignore"))

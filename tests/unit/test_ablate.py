@@ -1,20 +1,15 @@
-"""tools/ablate.py's aggregation on fabricated run dirs (no quickstart is run)."""
+"""tools/research/ablate.py's aggregation on fabricated run dirs (no quickstart is run)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("megarl_tools_ablate", REPO / "tools" / "ablate.py")
-ablate = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = ablate  # dataclasses look their module up there
-_spec.loader.exec_module(ablate)
+from tools.research import ablate  # noqa: E402
 
 
 def fake_run(path: Path, evals: dict[int, float], wall: float | None, torn_line: bool = False,

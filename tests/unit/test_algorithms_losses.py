@@ -222,13 +222,13 @@ def test_loss_does_not_scale_with_the_batch(mode):
 
 
 def test_dr_grpo_actor_loss_in_the_trainer_has_global_denominators():
-    """ppo.actor_loss_fn hands this mode N_seq of the whole mini-batch (global_counts over every
+    """rl.actor_loss_fn hands this mode N_seq of the whole mini-batch (global_counts over every
     micro-batch and DP rank) and L = rollout.max_new_tokens: micro-batches padded to different
     widths add up to the full-batch loss (sum_{i,t} l / (N_seq * L))."""
     from types import SimpleNamespace
 
     from megarl.config import load_config
-    from megarl.trainer import ppo
+    from megarl.trainer import rl
 
     cfg = load_config(None, ["algorithm.loss_agg=seq-mean-token-sum-norm", "algorithm.policy_loss=vanilla_pg",
                              "rollout.max_new_tokens=10"])
@@ -248,9 +248,9 @@ def test_dr_grpo_actor_loss_in_the_trainer_has_global_denominators():
             return torch.zeros_like(logits)
 
     batch = SimpleNamespace(acc=torch.zeros(3))
-    counts = ppo.global_counts(batch, [0, 1, 2], None, mask)
+    counts = rl.global_counts(batch, [0, 1, 2], None, mask)
     assert counts["seqs"] == 3
-    loss_fn = ppo.actor_loss_fn(cfg, counts, 1.0)
+    loss_fn = rl.actor_loss_fn(cfg, counts, 1.0)
     total = loss_fn(MB([0], 3), old[[0], :3])[0] + loss_fn(MB([1, 2], 2), old[[1, 2], :2])[0]
     torch.testing.assert_close(total, torch.tensor((-3.0 + 2.0 - 1.0) / (3 * 10)))
 

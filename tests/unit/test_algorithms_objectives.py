@@ -366,7 +366,7 @@ class RecordingWorker:
 
 def _collect(overrides):
     from megarl.config import load_config
-    from megarl.trainer.rollout import collect_step_batch
+    from megarl.trainer.step_collector import collect_step_batch
 
     cfg = load_config("configs/algorithms/grpo.yaml", ["rollout.n_samples_per_prompt=4", "rollout.prompts_per_step=3",
                                                        "algorithm.mini_batch_size=4", "rollout.fire=true", *overrides])
@@ -401,14 +401,14 @@ def test_remax_rollout_with_dynamic_sampling_and_other_estimators_unchanged():
 
 
 def test_remax_advantages_in_the_trainer_use_the_greedy_baseline():
-    from megarl.trainer import ppo
+    from megarl.trainer import rl
     from megarl.trainer.batch import StepBatch
 
     cfg, _, trajs, _ = _collect(["algorithm.advantage=remax"])
     batch = StepBatch.from_trajectories(trajs)
-    ppo.set_masks(batch, cfg)
+    rl.set_masks(batch, cfg)
     local = batch.select(list(range(len(batch))))
-    ppo.compute_advantages(batch, local, list(range(len(batch))), cfg, None, 0.0)
+    rl.compute_advantages(batch, local, list(range(len(batch))), cfg, None, 0.0)
     expect = (batch.score - batch.baseline_score).unsqueeze(-1) * batch.response_mask
     torch.testing.assert_close(local.advantages, expect)
 
@@ -416,7 +416,7 @@ def test_remax_advantages_in_the_trainer_use_the_greedy_baseline():
 # ---- config wiring ----------------------------------------------------------------------------------
 def test_objective_kwargs_come_from_the_typed_config():
     from megarl.config import load_config
-    from megarl.trainer.ppo import objective_kwargs
+    from megarl.trainer.rl import objective_kwargs
 
     base = "configs/algorithms/grpo.yaml"
     assert objective_kwargs(load_config(base, ["algorithm.policy_loss=ppo"])) == {}
@@ -433,10 +433,10 @@ def test_objective_kwargs_come_from_the_typed_config():
 
 
 def test_gpg_alpha_field_is_live_in_the_trainer():
-    """algorithm.gpg_alpha through ppo.compute_advantages (the liveness script's fixed batch has no
+    """algorithm.gpg_alpha through rl.compute_advantages (the liveness script's fixed batch has no
     all-equal group, where alpha differs from 1)."""
     from megarl.config import load_config
-    from megarl.trainer import ppo
+    from megarl.trainer import rl
     from megarl.trainer.batch import StepBatch, Trajectory
 
     trajs = [Trajectory(uid=u, prompt_ids=[1], response_ids=[2, 3], rollout_logprobs=[0.0, 0.0], finish_reason="stop",
@@ -447,8 +447,8 @@ def test_gpg_alpha_field_is_live_in_the_trainer():
                                                            "rollout.n_samples_per_prompt=2", "rollout.prompts_per_step=2",
                                                            "algorithm.mini_batch_size=4"])
         batch = StepBatch.from_trajectories(trajs)
-        ppo.set_masks(batch, cfg)
+        rl.set_masks(batch, cfg)
         local = batch.select([0, 1, 2, 3])
-        ppo.compute_advantages(batch, local, [0, 1, 2, 3], cfg, None, 0.0)
+        rl.compute_advantages(batch, local, [0, 1, 2, 3], cfg, None, 0.0)
         out[alpha] = local.advantages[:, 0].tolist()
     assert out == {"true": [1.0, -1.0, 0.0, 0.0], "false": [0.5, -0.5, 0.0, 0.0]}

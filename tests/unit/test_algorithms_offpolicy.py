@@ -8,7 +8,7 @@ import torch
 
 from megarl import algorithms as A
 from megarl.config import load_config
-from megarl.trainer import ppo
+from megarl.trainer import rl
 from megarl.trainer.batch import StepBatch, Trajectory
 
 E = math.e
@@ -58,7 +58,7 @@ def test_bad_mode_or_cap_raise():
 
 
 def _ppo_token_loss(logp, old, adv, eps_low, eps_high, c):
-    """Clipped surrogate with dual clip, one token (ALGORITHMS §1.1), in Python floats."""
+    """Clipped surrogate with dual clip, one token (docs/algorithms.md §1.1), in Python floats."""
     r = math.exp(logp - old)
     loss = max(-adv * r, -adv * min(max(r, 1 - eps_low), 1 + eps_high))
     return min(loss, -adv * c) if adv < 0 else loss
@@ -95,9 +95,9 @@ def test_trainer_weights_the_advantages_and_masks_the_loss(mode):
     cfg = load_config("configs/algorithms/grpo.yaml", overrides + ([f"algorithm.rollout_is={mode}"] if mode else []))
     assert load_config("configs/algorithms/grpo.yaml", overrides).algorithm.rollout_is is None
     batch = _batch()
-    ppo.set_masks(batch, cfg)
-    metrics = ppo.rollout_correction(batch, cfg, None)
-    ppo.compute_advantages(batch, batch, [0, 1], cfg, None, 0.0)
+    rl.set_masks(batch, cfg)
+    metrics = rl.rollout_correction(batch, cfg, None)
+    rl.compute_advantages(batch, batch, [0, 1], cfg, None, 0.0)
     a = 1 / (math.sqrt(2) + 1e-6)  # (s - mean) / (std + 1e-6) for scores (1, -1): unbiased std sqrt(2)
     base = torch.tensor([[a, a, a], [-a, 0.0, 0.0]])
     if mode is None:

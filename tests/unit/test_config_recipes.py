@@ -1,4 +1,4 @@
-"""Shipped algorithm presets and recipes carry the papers' settings (ALGORITHMS.md) and load cleanly."""
+"""Shipped algorithm presets and recipes carry the papers' settings (docs/algorithms.md) and load cleanly."""
 
 from __future__ import annotations
 

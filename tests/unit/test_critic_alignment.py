@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from megarl.config import load_config
-from megarl.trainer import ppo
+from megarl.trainer import rl
 from megarl.trainer.batch import StepBatch, Trajectory, build_microbatch
 
 
@@ -34,18 +34,18 @@ def test_value_of_token_j_is_read_before_token_j():
 def test_monte_carlo_targets_are_the_outcome_at_every_token():
     cfg = load_config("configs/algorithms/vapo.yaml", [])
     batch = two_samples()
-    ppo.set_masks(batch, cfg)
+    rl.set_masks(batch, cfg)
     batch.old_logprobs = torch.zeros_like(batch.response_mask)
     batch.values = torch.tensor([[0.3, -0.2, 0.0], [0.5, 0.1, -0.4]])
     for pretraining in (True, False):  # lam_critic 1.0 in both phases: the return does not depend on V
-        ppo.compute_advantages(batch, batch, [0, 1], cfg, None, 0.0, value_pretraining=pretraining)
+        rl.compute_advantages(batch, batch, [0, 1], cfg, None, 0.0, value_pretraining=pretraining)
         assert batch.returns.tolist() == [[1.0, 1.0, 0.0], [-1.0, -1.0, -1.0]]
     # explained variance of these values, by hand over the 5 value tokens:
     # returns r = [1, 1, -1, -1, -1], r - V = [0.7, 1.2, -1.5, -1.1, -0.6]
     r = torch.tensor([1.0, 1, -1, -1, -1])
     d = torch.tensor([0.7, 1.2, -1.5, -1.1, -0.6])
     expected = 1 - d.var(unbiased=False) / r.var(unbiased=False)
-    assert abs(ppo.explained_variance(batch, None)["critic/explained_variance"] - expected.item()) < 1e-5
+    assert abs(rl.explained_variance(batch, None)["critic/explained_variance"] - expected.item()) < 1e-5
 
 
 
@@ -53,10 +53,10 @@ def test_explained_variance_is_zero_when_every_sample_scored_the_same():
     cfg = load_config("configs/algorithms/vapo.yaml", [])
     batch = two_samples()
     batch.score = torch.tensor([-1.0, -1.0])  # all failed: nothing to explain
-    ppo.set_masks(batch, cfg)
+    rl.set_masks(batch, cfg)
     batch.old_logprobs = torch.zeros_like(batch.response_mask)
     batch.values = torch.tensor([[0.3, -0.2, 0.0], [0.5, 0.1, -0.4]]) * batch.response_mask
-    ppo.compute_advantages(batch, batch, [0, 1], cfg, None, 0.0, value_pretraining=True)
+    rl.compute_advantages(batch, batch, [0, 1], cfg, None, 0.0, value_pretraining=True)
     # returns = (sum of TD errors) + V in float32: -1 up to rounding, so Var(ret) is ~1e-15, not 0
     assert torch.allclose(batch.returns, -batch.response_mask, atol=1e-6)
-    assert ppo.explained_variance(batch, None)["critic/explained_variance"] == 0.0
+    assert rl.explained_variance(batch, None)["critic/explained_variance"] == 0.0

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megarl.config import ConfigError, load_config
-from megarl.trainer import ppo
+from megarl.trainer import rl
 from megarl.trainer.loop import policy_start
 from megarl.trainer.state import TrainerState
 from megarl.trainer.train_model import lr_at
@@ -20,17 +20,17 @@ VAPO = "configs/algorithms/vapo.yaml"
 
 def test_steps_alone_pretrain_for_exactly_the_cap():
     cfg = load_config(VAPO, ["algorithm.value_pretrain_steps=3"])
-    assert [ppo.value_pretraining(cfg, s) for s in range(5)] == [True, True, True, False, False]
-    assert not ppo.value_pretraining_converged(cfg, 0.99)  # no target: only the cap ends it
+    assert [rl.value_pretraining(cfg, s) for s in range(5)] == [True, True, True, False, False]
+    assert not rl.value_pretraining_converged(cfg, 0.99)  # no target: only the cap ends it
     assert policy_start(cfg.algorithm, TrainerState()) == 3
 
 
 def test_target_ends_pretraining_and_the_actor_schedule_starts_there():
     cfg = load_config(VAPO, ["algorithm.value_pretrain_steps=10", "algorithm.value_pretrain_ev_target=0.3"])
-    assert not ppo.value_pretraining_converged(cfg, 0.29)
-    assert ppo.value_pretraining_converged(cfg, 0.3)
+    assert not rl.value_pretraining_converged(cfg, 0.29)
+    assert rl.value_pretraining_converged(cfg, 0.3)
     state = TrainerState(value_pretrain_end=4)  # met the target at step 3
-    assert [ppo.value_pretraining(cfg, s, state.value_pretrain_end) for s in (3, 4, 12)] == [False, False, False]
+    assert [rl.value_pretraining(cfg, s, state.value_pretrain_end) for s in (3, 4, 12)] == [False, False, False]
     assert policy_start(cfg.algorithm, state) == 4
     # warm-up 20 steps counted from the first policy step: step 4 gets lr/20, step 23 the full lr
     a = cfg.actor

@@ -1,4 +1,4 @@
-"""GenRM: prompt rendering, verdict parsing, the pairwise formula (ALGORITHMS.md §6/§7), and a
+"""GenRM: prompt rendering, verdict parsing, the pairwise formula (docs/algorithms.md §6/§7), and a
 judge served by the builtin engine over a tiny random Qwen2 with an offline tokenizer."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""tools/gpu_smoke.py and tools/bench_train.py run on CPU: the CPU-runnable smoke checks pass
+"""tools/gpu_smoke.py and tools/bench/train.py run on CPU: the CPU-runnable smoke checks pass
 through megarl's CPU runtime, every GPU-only one reports SKIP, and the benchmark prints its
 figures for a tiny shape."""
 
@@ -31,7 +31,7 @@ def _run(args: list[str], timeout: int = 120) -> subprocess.CompletedProcess:
 
 def test_gpu_smoke_on_cpu(tmp_path):
     out = tmp_path / "smoke.json"
-    proc = _run(["tools/gpu_smoke.py", "--json", str(out)])
+    proc = _run(["-m", "tools.gpu_smoke", "--json", str(out)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = dict(re.findall(r"^check (\w+): (PASS|FAIL|SKIP)\b", proc.stdout, flags=re.M))
     assert set(lines) == CPU_CHECKS | GPU_CHECKS, proc.stdout
@@ -53,13 +53,9 @@ def test_gpu_smoke_on_cpu(tmp_path):
 
 
 def _load_tool(name: str):
-    import importlib.util
+    import importlib
 
-    spec = importlib.util.spec_from_file_location(f"megarl_tools_{name}", REPO / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(f"tools.{name}")
 
 
 def test_gpu_smoke_registry_matches():
@@ -70,7 +66,7 @@ def test_gpu_smoke_registry_matches():
 
 
 def test_gpu_smoke_only_skip_and_failure_exit_code(tmp_path):
-    proc = _run(["tools/gpu_smoke.py", "--only", "imports,nccl", "--require", "sglang"])
+    proc = _run(["-m", "tools.gpu_smoke", "--only", "imports,nccl", "--require", "sglang"])
     assert proc.returncode == 1, proc.stdout + proc.stderr
     lines = dict(re.findall(r"^check (\w+): (PASS|FAIL|SKIP)\b", proc.stdout, flags=re.M))
     assert lines == {"imports": "FAIL", "nccl": "SKIP"}, proc.stdout
@@ -79,7 +75,7 @@ def test_gpu_smoke_only_skip_and_failure_exit_code(tmp_path):
 
 def test_bench_train_tiny_on_cpu(tmp_path):
     out = tmp_path / "bench.json"
-    proc = _run(["tools/bench_train.py", "--shape", "tiny", "--seq", "128", "--steps", "1",
+    proc = _run(["-m", "tools.bench.train", "--shape", "tiny", "--seq", "128", "--steps", "1",
                  "--json", str(out)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     line = re.search(r"^bench impl=local attn=auto shape=tiny seq=128 .*$", proc.stdout, flags=re.M)
@@ -95,7 +91,7 @@ def test_bench_train_tiny_on_cpu(tmp_path):
 
 def test_bench_flops_formula():
     """P matches the HF parameter count minus norms, biases and the (tied) embedding lookup."""
-    bench = _load_tool("bench_train")
+    bench = _load_tool("bench.train")
     cfg = bench.hf_config("0.5b", 4096)
     assert bench.matmul_params(cfg) == 493_961_216  # Qwen2.5-0.5B: 494,032,768 params in all
     # one 4096-token sequence: 6 P N + 12 layers (heads * head_dim) N^2
@@ -104,7 +100,7 @@ def test_bench_flops_formula():
 
 
 def test_gpu_report_table(tmp_path):
-    """tools/gpu_report.py turns a session's smoke JSON, bench rows and quickstart line into one table."""
+    """tools/bench/gpu_report.py turns a session's smoke JSON, bench rows and quickstart line into one table."""
     (tmp_path / "smoke.json").write_text(json.dumps({"results": [
         {"name": "attn_cp2", "status": "PASS", "detail": "varlen_cp_out 0.004", "seconds": 1.0}]}))
     (tmp_path / "bench_1.5b.json").write_text(json.dumps({"rows": [
@@ -114,7 +110,7 @@ def test_gpu_report_table(tmp_path):
         {"shape": "3b", "impl": "local", "attn": "auto", "seq": 16384, "microbatches": 2, "status": "OOM"}]}))
     (tmp_path / "quickstart.log").write_text("x\nquickstart: accuracy_before=0.175 accuracy_after=0.81 wall_s=101.0 run_dir=/q\n")
     (tmp_path / "device.txt").write_text("GPU 0: NVIDIA H200\n")
-    report = _load_tool("gpu_report")
+    report = _load_tool("bench.gpu_report")
     import contextlib
     import io
 

@@ -65,14 +65,7 @@ def test_validate_model_moe_rules():
 
 
 def test_convert_tool_world_size_with_experts():
-    import importlib.util
-
-    from tests.distributed.launch import REPO
-
-    spec = importlib.util.spec_from_file_location("megarl_tools_convert", REPO / "tools/convert_checkpoint.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    world_size = module.world_size
+    from megarl.convert.cli import world_size
 
     def ns(tp=1, pp=1, cp=1, ep=1, etp=None):
         return argparse.Namespace(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp)

@@ -11,7 +11,7 @@ import torch
 from megarl.algorithms.masked import masked_whiten_by_role
 from megarl.config import ConfigError, load_config
 from megarl.rollout.multi_turn import VERDICT_CORRECT, VERDICT_WRONG, MultiTurnSample
-from megarl.trainer import pag, ppo
+from megarl.trainer import pag, rl
 from megarl.trainer.batch import StepBatch, Trajectory
 
 PRESET = "configs/algorithms/pag.yaml"
@@ -32,10 +32,10 @@ def two_trajectories() -> list[Trajectory]:
 def advantages(overrides: list[str]) -> tuple[StepBatch, torch.Tensor]:
     cfg = load_config(PRESET, overrides)
     batch = StepBatch.from_trajectories(two_trajectories())
-    ppo.set_masks(batch, cfg)
+    rl.set_masks(batch, cfg)
     values = torch.linspace(-0.4, 0.6, batch.width).expand(len(batch), -1) * batch.response_mask
     batch.values = values.clone()
-    ppo.compute_advantages(batch, batch, [0, 1], cfg, None, 0.0)
+    rl.compute_advantages(batch, batch, [0, 1], cfg, None, 0.0)
     return batch, values
 
 
@@ -124,7 +124,7 @@ def sample(turns: list[tuple[str, bool]]) -> MultiTurnSample:
 def score(overrides: list[str]):
     from megarl.data.dataset import PromptItem
     from megarl.trainer.build import build_rewards
-    from megarl.trainer.rollout import RolloutWorker
+    from megarl.trainer.generation import RolloutWorker
 
     cfg = load_config(PRESET, ["reward.sources={arith: math}", *overrides])
     worker = RolloutWorker(None, None, build_rewards(cfg), cfg)
@@ -200,7 +200,7 @@ def test_worker_generates_multi_turn_trajectories_when_enabled(tmp_path):
     from megarl.rollout.builtin import BuiltinEngine
     from megarl.tasks.tiny_model import TinyModelSpec, save_tiny_model
     from megarl.trainer.build import build_rewards
-    from megarl.trainer.rollout import RolloutWorker
+    from megarl.trainer.generation import RolloutWorker
 
     save_tiny_model(tmp_path / "m", TinyModelSpec(layers=2, hidden=32, heads=4, kv_heads=2, intermediate=64))
     engine = BuiltinEngine.from_pretrained(tmp_path / "m")

@@ -9,7 +9,7 @@ from megarl.algorithms.pairwise_pag import pairwise_advantages, pairwise_reward
 from megarl.config import load_config
 from megarl.rewards import RewardConfig, RewardInput
 from megarl.tasks import pairwise_pref as pp
-from megarl.trainer import ppo
+from megarl.trainer import rl
 from megarl.trainer.batch import StepBatch, Trajectory
 from megarl.trainer.build import build_rewards
 
@@ -25,9 +25,9 @@ def _batch(scores: list[float], lengths: list[int]) -> StepBatch:
 
 def _trainer_advantages(cfg, scores, lengths, values):
     batch = _batch(scores, lengths)
-    ppo.set_masks(batch, cfg)
+    rl.set_masks(batch, cfg)
     batch.values = values * batch.response_mask
-    ppo.compute_advantages(batch, batch, list(range(len(batch))), cfg, None, 0.0)
+    rl.compute_advantages(batch, batch, list(range(len(batch))), cfg, None, 0.0)
     return batch
 
 

@@ -1,9 +1,8 @@
-"""tools/plan.py: the memory model against first principles, and every shipped layout fits."""
+"""megarl.planner (`megarl plan`): the memory model against first principles, and every shipped layout fits."""
 
 from __future__ import annotations
 
 import glob
-import importlib.util
 import json
 import os
 import sys
@@ -17,15 +16,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 CONFIGS = os.path.join(REPO, "configs")
 
 
-def _load_plan():
-    spec = importlib.util.spec_from_file_location("megarl_tools_plan", os.path.join(REPO, "tools", "plan.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-plan = _load_plan()
+from megarl import planner as plan  # noqa: E402
 GIB = 1024**3
 
 

@@ -1,4 +1,4 @@
-"""tools/plan.py for vision-language models: the vision tower's parameters (by hand, against HF's
+"""megarl.planner for vision-language models: the vision tower's parameters (by hand, against HF's
 models and megarl's TP layouts), the first stage carrying it, its activations and FLOPs, the image
 assumptions, and the shipped VLM recipes + layouts."""
 

@@ -97,7 +97,7 @@ def test_dense_rewards_hand_computed_fail_and_pass():
 
 def test_token_rewards_add_dense_line_rewards_to_the_eos_outcome():
     from megarl.config import load_config
-    from megarl.trainer import ppo
+    from megarl.trainer import rl
     from megarl.trainer.batch import StepBatch, Trajectory
 
     cfg = load_config(["configs/quickstart/code_prm.yaml"])
@@ -106,7 +106,7 @@ def test_token_rewards_add_dense_line_rewards_to_the_eos_outcome():
                                          Trajectory("1", [1, 2], ids[1], [], "stop", score=0.0, acc=False)])
     batch.prm_rewards = P.dense_line_rewards(values, P.line_end_mask(ids, {10}, batch.width), batch.acc,
                                              cfg.prm.lambda_fail, cfg.prm.lambda_pass)
-    rewards, metrics = ppo.token_rewards(batch, cfg, 0.0, None)
+    rewards, metrics = rl.token_rewards(batch, cfg, 0.0, None)
     expect = torch.zeros(2, 7)
     expect[0, 2], expect[0, 4] = 0.025 * 0.3 / 2, 0.025 * 0.5 / 2  # passed: lambda_pass
     expect[0, 6] += 1.0  # outcome on EOS

@@ -1,15 +1,9 @@
-"""tools/probe_critic_ceiling.py: the oracle and the probe against hand-computed values."""
-
-import importlib.util
-from pathlib import Path
+"""tools/research/probe_critic_ceiling.py: the oracle and the probe against hand-computed values."""
 
 import pytest
 import torch
 
-spec = importlib.util.spec_from_file_location(
-    "probe_critic_ceiling", Path(__file__).resolve().parents[2] / "tools" / "probe_critic_ceiling.py")
-P = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(P)
+from tools.research import probe_critic_ceiling as P
 
 
 def test_first_departure():

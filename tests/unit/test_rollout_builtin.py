@@ -325,7 +325,8 @@ def test_rollout_worker_reports_the_kv_cache_metric(tmp_path):
     from megarl.data.dataset import PromptItem
     from megarl.tasks.tiny_model import TinyModelSpec, save_tiny_model
     from megarl.trainer.build import build_rewards
-    from megarl.trainer.rollout import RolloutWorker, collect_step_batch
+    from megarl.trainer.generation import RolloutWorker
+    from megarl.trainer.step_collector import collect_step_batch
 
     spec = TinyModelSpec(layers=2, hidden=32, heads=4, kv_heads=2, intermediate=64)
     save_tiny_model(tmp_path / "model", spec)

@@ -1,4 +1,4 @@
-"""tools/sglang_routing_check.py (the MoE part of tools/gpu_smoke.py's `sglang` check) on CPU: the
+"""tools/smoke/sglang_routing.py (the MoE part of tools/gpu_smoke.py's `sglang` check) on CPU: the
 builtin engine records routed experts in the layout megarl reads from SGLang, so its samples pass
 the check and HF agrees with every (token, layer); samples one token off, with swapped layers, of
 the wrong shape or without the last token's placeholder row fail it."""
@@ -6,7 +6,6 @@ the wrong shape or without the last token's placeholder row fail it."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -16,11 +15,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("megarl_tools_sglang_routing_check",
-                                                  REPO / "tools" / "sglang_routing_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from tools.smoke import sglang_routing
+
+    return sglang_routing
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +42,7 @@ def test_moe_shape_reads_the_lm_config():
 
 def test_engine_routing_passes_and_agrees_with_hf(moe):
     tool, path, samples = moe
-    from megarl.rollout.checkpoint import read_config
+    from megarl.weights.hf_reader import read_config
 
     shape = tool.moe_shape(read_config(path))
     assert shape == (2, 2, 8)

@@ -19,7 +19,7 @@ import torch
 
 from megarl import algorithms as A
 from megarl.config import load_config
-from megarl.trainer import ppo
+from megarl.trainer import rl
 from megarl.trainer.batch import StepBatch, Trajectory
 
 VALUES = [[0.1, 0.2, 0.3, 0.4, 0.5, 0.6], [0.5, 0.5, 0.5, 0.5, 0.8], [0.0, -0.5, -0.5]]
@@ -47,8 +47,8 @@ def carried_batch(values=VALUES) -> StepBatch:
 
 
 def advantages(batch, cfg):
-    ppo.set_masks(batch, cfg)
-    ppo.compute_advantages(batch, batch, list(range(len(batch))), cfg, None, 0.0)
+    rl.set_masks(batch, cfg)
+    rl.compute_advantages(batch, batch, list(range(len(batch))), cfg, None, 0.0)
     return batch
 
 

@@ -1,16 +1,11 @@
-"""tools/sim_rollout.py against hand-computed schedules (the simulator's numbers go to the README)."""
+"""tools/research/sim_rollout.py against hand-computed schedules (the simulator's numbers go to the README)."""
 
-import importlib.util
-import sys
 
 import numpy as np
 import pytest
 
-from tests.distributed.launch import REPO
 
-spec = importlib.util.spec_from_file_location("sim_rollout", REPO / "tools" / "sim_rollout.py")
-sim = sys.modules.setdefault("sim_rollout", importlib.util.module_from_spec(spec))
-spec.loader.exec_module(sim)
+from tools.research import sim_rollout as sim  # noqa: E402
 
 ENGINE = sim.Engine(decode_ms=1.0, per_seq_ms=0.0, engines=1, prefill_us_per_token=0.0, step_overhead_s=0.0)
 

@@ -13,7 +13,7 @@ from megarl.data.sampler import PromptSampler
 from megarl.rewards import RewardConfig, RewardManager
 from megarl.rollout.builtin import BuiltinEngine
 from megarl.trainer.batch import Trajectory
-from megarl.trainer.rollout import RolloutWorker
+from megarl.trainer.generation import RolloutWorker
 from megarl.trainer.state import TrainerState
 from megarl.trainer.windows import SuccessiveBatching, new_prompt_count, restarted, split_stale
 
@@ -126,20 +126,20 @@ def test_in_flight_samples_survive_a_checkpoint_round_trip(parts, tmp_path):
 
 def test_a_tail_minibatch_smaller_than_dp_joins_the_previous_one():
     """T-PPO batches vary in size (9 here, mini-batches of 4): no DP rank may get an empty mini-batch."""
-    from megarl.trainer import ppo
+    from megarl.trainer import rl
     from megarl.trainer.batch import StepBatch
 
     batch = StepBatch.from_trajectories([Trajectory(str(i), [1], [2] * (i + 1), [0.0] * (i + 1), "stop")
                                          for i in range(9)])
-    shares = [ppo.split_minibatches(batch, 4, 0, r, 2) for r in (0, 1)]
+    shares = [rl.split_minibatches(batch, 4, 0, r, 2) for r in (0, 1)]
     assert [len(mbs) for mbs in shares] == [2, 2] and all(mb for mbs in shares for mb in mbs)
     assert sorted(i for mbs in shares for mb in mbs for i in mb) == list(range(9))
     assert sorted(len(a) + len(b) for a, b in zip(*shares)) == [4, 5]
-    assert [len(mb) for mb in ppo.split_minibatches(batch, 4, 0, 0, 1)] == [4, 4, 1]  # one rank: unchanged
+    assert [len(mb) for mb in rl.split_minibatches(batch, 4, 0, 0, 1)] == [4, 4, 1]  # one rank: unchanged
 
 
 def test_tppo_preset_settings():
-    """ALGORITHMS §5: windows of 8K, responses up to 24K, 512 x 16, mini-batch 512, no KL; EGAE with
+    """docs/algorithms.md §5: windows of 8K, responses up to 24K, 512 x 16, mini-batch 512, no KL; EGAE with
     Monte-Carlo critic targets; VAPO's values where the paper is silent."""
     c = load_config("configs/algorithms/tppo.yaml")
     a, r = c.algorithm, c.rollout

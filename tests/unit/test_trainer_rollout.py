@@ -8,7 +8,7 @@ import pytest
 
 from megarl.config import load_config
 from megarl.trainer.batch import Trajectory
-from megarl.trainer.rollout import collect_step_batch, keep_mixed_groups
+from megarl.trainer.step_collector import collect_step_batch, keep_mixed_groups
 
 
 class ScriptedWorker:

@@ -1,0 +1,184 @@
+"""The planner's phases: the model states of a layout, the rollout and train peaks against a GPU,
+and the step-time model (megarl/planner/__init__.py states both models)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from megarl.config import ConfigError, MegaRLConfig, validate_model, validate_world
+from megarl.planner.activations import activation_bytes, train_overflow_message
+from megarl.planner.arch import GIB, GPU, MOE_IMBALANCE, Arch, ModelState, lm_config
+from megarl.planner.vision import Images, image_load, microbatch_patches, vision_problems
+
+def model_states(arch: Arch, cfg: MegaRLConfig, world: int) -> list[ModelState]:
+    p = cfg.parallel
+    etp = p.etp or p.tp
+    dp_cp = world // (p.tp * p.pp)  # the distributed optimizer shards over DP x CP
+    edp = max(1, world // (etp * p.ep * p.pp))  # ... and expert parameters over expert-DP
+    wbytes = 4 if cfg.model.dtype == "fp32" else 2
+    # model.freeze_vision: the tower gets no gradient and no optimizer state (getattr: older schemas lack it)
+    frozen = bool(getattr(cfg.model, "freeze_vision", False))
+    out = []
+    roles = [("actor", False)] + ([("critic", True)] if cfg.critic.enable else [])
+    for role, value_head in roles:
+        o = getattr(cfg, role)
+        n = arch.stage_params(p.tp, p.pp, value_head, p.ep, etp)
+        experts = arch.stage_expert_params(p.pp, p.ep, etp)
+        trained = arch.stage_params(p.tp, p.pp, value_head, p.ep, etp, vision=not frozen)
+        if o.use_distributed_optimizer:
+            opt = 12.0 * (trained - experts) / dp_cp + 12.0 * experts / edp
+        else:
+            opt = 12.0 * trained
+        out.append(ModelState(role, n, wbytes * n, wbytes * trained, opt, o.offload_optimizer))
+    if cfg.algorithm.kl_coef > 0 or cfg.algorithm.kl_in_reward:
+        n = arch.stage_params(p.tp, p.pp, False, p.ep, etp)
+        out.append(ModelState("reference", n, wbytes * n, 0.0, 0.0, False))
+    return out
+
+
+@dataclass
+class Plan:
+    arch: Arch
+    gpu: GPU
+    world: int
+    dp: int
+    params_total: int
+    states: list[ModelState]
+    activations: dict[str, dict[str, float]]
+    engine_share: float
+    engine_weights: float
+    kv_pool: float
+    kv_tokens: float
+    rollout_peak: float
+    train_peak: float
+    reserve: float
+    images: Images | None = None
+    problems: list[str] = field(default_factory=list)
+    time: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+
+def plan(cfg: MegaRLConfig, arch: Arch, hf: dict, gpu: GPU, reserve_gib: float = 6.0,
+         avg_prompt_len: int | None = None, avg_response_len: int | None = None,
+         mfu: float = 0.4, decode_eff: float = 0.6, gen_rounds: int = 1, moe_imbalance: float = MOE_IMBALANCE,
+         images: Images | None = None) -> Plan:
+    """The plan of `cfg` on `gpu`; a vision-language model without `images` gets image_load(arch)."""
+    p, r = cfg.parallel, cfg.rollout
+    world = p.nodes * p.gpus_per_node
+    images = images or image_load(arch)
+    problems: list[str] = vision_problems(arch, cfg, images)
+    for check in (lambda: validate_world(cfg, world), lambda: validate_model(cfg, lm_config(hf))):
+        try:
+            check()
+        except ConfigError as e:
+            problems.extend(e.errors)
+    dp = world // (p.tp * p.pp * p.cp) if world % (p.tp * p.pp * p.cp) == 0 else 0
+    reserve = reserve_gib * GIB
+    cap = gpu.mem_bytes
+    states = model_states(arch, cfg, world)
+    sample = sum(mean_lengths(cfg, avg_prompt_len, avg_response_len, images))
+    acts = {s.role: activation_bytes(arch, cfg, s.role, moe_imbalance, microbatch_patches(cfg, s.role, images, sample))
+            for s in states if s.role != "reference"}
+
+    # rollout phase: engine share (static reservation) + whatever training state stays resident
+    engine_share = r.mem_fraction * cap
+    engine_weights = 2.0 * arch.total_params() / p.rollout_tp
+    kv_pool = engine_share - engine_weights
+    kv_tokens = max(kv_pool, 0.0) / arch.kv_bytes_per_token(p.rollout_tp)
+    resident_rollout = 0.0 if r.offload_train_state else sum(s.resident for s in states)
+    rollout_peak = resident_rollout + engine_share + reserve
+    longest = cfg.data.max_prompt_len + r.max_new_tokens
+    if kv_tokens < longest:
+        problems.append(f"rollout: the engine's KV cache holds {kv_tokens:,.0f} tokens per GPU group, less than one "
+                        f"longest sequence ({longest:,}); raise rollout.mem_fraction or parallel.rollout_tp")
+    if rollout_peak > cap:
+        problems.append(f"rollout phase needs {rollout_peak / GIB:.1f} GiB > {cap / GIB:.1f} GiB "
+                        f"(engine {engine_share / GIB:.1f} + resident training state {resident_rollout / GIB:.1f} "
+                        f"+ reserve {reserve / GIB:.1f}); lower rollout.mem_fraction or offload the training state")
+
+    # train phase: all model states resident, activations of the model being trained
+    resident = sum(s.resident for s in states)
+    fwd_bwd = resident + max((a["total"] for a in acts.values()), default=0.0)
+    step = max(resident - s.resident + s.at_step for s in states)  # one model's optimizer step at a time
+    train_peak = max(fwd_bwd, step) + reserve
+    if train_peak > cap:
+        problems.append(train_overflow_message(cfg, states, acts, train_peak, step > fwd_bwd, cap, reserve))
+
+    out = Plan(arch, gpu, world, dp, arch.total_params(), states, acts, engine_share, engine_weights, kv_pool,
+               kv_tokens, rollout_peak, train_peak, reserve, images, problems)
+    out.time = step_time(cfg, arch, gpu, world, kv_tokens, avg_prompt_len, avg_response_len, mfu, decode_eff, gen_rounds,
+                         images)
+    return out
+
+
+def mean_lengths(cfg: MegaRLConfig, avg_prompt_len: int | None, avg_response_len: int | None,
+                 images: Images | None = None) -> tuple[int, int]:
+    """(mean prompt, mean response) tokens: --avg-prompt-len text tokens (default min(256,
+    max_prompt_len)) plus the image tokens (per_sample x tokens; the prompt stays within
+    data.max_prompt_len, which counts them), --avg-response-len (default max_new_tokens / 2,
+    at most max_new_tokens)."""
+    prompt = avg_prompt_len if avg_prompt_len is not None else min(256, cfg.data.max_prompt_len)
+    if images is not None:
+        prompt = min(prompt + images.sample_tokens, cfg.data.max_prompt_len)
+    resp = avg_response_len if avg_response_len is not None else cfg.rollout.max_new_tokens // 2
+    return prompt, min(resp, cfg.rollout.max_new_tokens)
+
+
+# ----------------------------------------------------------------------------- time
+
+
+def step_time(cfg: MegaRLConfig, arch: Arch, gpu: GPU, world: int, kv_tokens: float,
+              avg_prompt_len: int | None, avg_response_len: int | None, mfu: float,
+              decode_eff: float, gen_rounds: int, images: Images | None = None) -> dict[str, float]:
+    r, a, p = cfg.rollout, cfg.algorithm, cfg.parallel
+    prompt, resp = mean_lengths(cfg, avg_prompt_len, avg_response_len, images)
+    gen_cap = r.max_new_tokens
+    seq = prompt + resp
+    n_actor = arch.active_params()  # FLOPs per token: the experts a token is routed to
+    n_critic = arch.active_params(value_head=True)
+    samples = r.prompts_per_step * r.n_samples_per_prompt
+    tokens = samples * seq
+    attn_fwd_per_token = 4.0 * arch.layers * arch.heads * arch.head_dim * (seq / 2)
+
+    # the vision tower: forward FLOPs of a sample's images, never recomputed (3 passes to train)
+    tower = images.per_sample * arch.vision.forward_flops(images.patches) if images and arch.vision else 0.0
+
+    def fwd(n: float) -> float:
+        return (2.0 * n + attn_fwd_per_token) * tokens
+
+    train_passes = 4 if cfg.model.recompute == "full" else 3  # full recompute repeats the forward
+    lm_passes, tower_passes = 1 + train_passes * a.ppo_epochs, 1 + 3 * a.ppo_epochs  # old log-probs + training
+    flops = fwd(n_actor) * lm_passes + tower * samples * tower_passes
+    if a.kl_coef > 0 or a.kl_in_reward:
+        flops += fwd(n_actor) + tower * samples
+    if cfg.critic.enable:
+        flops += fwd(n_critic) * lm_passes + tower * samples * tower_passes
+    train_s = flops / (world * gpu.bf16_flops * mfu)
+
+    engines = world // p.rollout_tp
+    gen_prompts = (r.gen_batch_prompts or r.prompts_per_step) * gen_rounds
+    seqs_per_engine = math.ceil(gen_prompts * r.n_samples_per_prompt / max(engines, 1))
+    concurrent = max(1, min(seqs_per_engine, int(kv_tokens // seq)))
+    steps = max(gen_cap, math.ceil(seqs_per_engine * resp / concurrent))
+    weight_bytes = 2.0 * arch.lm_params() / p.rollout_tp  # a decode batch touches nearly every expert (not the tower)
+    kv_read = concurrent * (seq / 2) * arch.kv_bytes_per_token(p.rollout_tp)
+    t_mem = (weight_bytes + kv_read) / (gpu.hbm_bytes_per_s * decode_eff)
+    t_flops = 2.0 * n_actor * concurrent / (p.rollout_tp * gpu.bf16_flops * decode_eff)
+    decode_step = max(t_mem, t_flops)
+    prefill_s = ((2.0 * n_actor * prompt + tower) * gen_prompts * r.n_samples_per_prompt
+                 / (world * gpu.bf16_flops * mfu))
+    rollout_s = steps * decode_step + prefill_s
+    return {"avg_prompt_len": prompt, "avg_response_len": resp, "train_tokens": tokens, "train_flops": flops,
+            "vision_flops_per_sample": tower,
+            "train_s": train_s, "concurrent_seqs_per_engine": concurrent, "seqs_per_engine": seqs_per_engine,
+            "decode_steps": steps, "decode_step_s": decode_step, "rollout_s": rollout_s,
+            "step_s": train_s + rollout_s, "mfu": mfu}
+
+
+# ----------------------------------------------------------------------------- report
+
+

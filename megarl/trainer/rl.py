@@ -1,0 +1,353 @@
+"""The per-step mathematics wired to megatron: prepare, advantages, critic and actor updates.
+
+The formulas live in megarl.algorithms; this module reads and writes the fields of the step's
+`StepBatch`, hands packed micro-batches to those functions, and supplies the global (all
+micro-batches, all DP ranks) denominators and statistics that make token-mean and whitening
+exact under gradient accumulation (docs/algorithms.md §1.2). Every tensor a collective sees lives on
+the training device.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+import torch.distributed as dist
+
+from megarl import algorithms as A
+from megarl.data.packing import balance_across_dp
+from megarl.parallel.distributed import device
+from megarl.registry import is_dotted_path
+from megarl.trainer import pag
+from megarl.trainer.batch import MicroBatch, StepBatch
+
+CRITIC_ADVANTAGES = ("gae", "egae")
+
+
+def uses_critic_advantage(cfg) -> bool:
+    """gae/egae, or a custom (dotted-path) estimator in a run with a critic."""
+    name = cfg.algorithm.advantage
+    return name in CRITIC_ADVANTAGES or (is_dotted_path(name) and cfg.critic.enable)
+
+
+def split_minibatches(batch: StepBatch, mini_batch_size: int, seed: int, dp_rank: int,
+                      dp_size: int) -> list[list[int]]:
+    """Shuffles the step's rows (seeded, same on all ranks), cuts them into mini-batches of
+    `mini_batch_size` samples, and returns this DP rank's token-balanced share of each (rows of
+    `batch`). A last mini-batch with fewer samples than DP ranks (T-PPO batches vary in size)
+    joins the one before it."""
+    order = list(range(len(batch)))
+    random.Random(seed).shuffle(order)
+    lengths = batch.lengths
+    chunks = [order[s : s + mini_batch_size] for s in range(0, len(order), mini_batch_size)]
+    if len(chunks) > 1 and len(chunks[-1]) < dp_size:
+        tail = chunks.pop()
+        chunks[-1] += tail
+    out = []
+    for mb in chunks:
+        shares = balance_across_dp([lengths[i] for i in mb], dp_size)
+        out.append([mb[i] for i in shares[dp_rank]])
+    return out
+
+
+def value_pretraining(cfg, step: int, pretrain_end: int | None = None) -> bool:
+    """VC-PPO / VAPO value pretraining: steps train only the critic, on Monte-Carlo targets, until
+    `pretrain_end` (TrainerState.value_pretrain_end: the step at which the explained-variance target
+    was met) or at most algorithm.value_pretrain_steps steps."""
+    return pretrain_end is None and step < cfg.algorithm.value_pretrain_steps
+
+
+def value_pretraining_converged(cfg, explained_variance: float) -> bool:
+    """algorithm.value_pretrain_ev_target reached by this step's explained variance (the critic's
+    values before its update, on the step's fresh rollouts: a held-out measure). Rank 0 decides and
+    broadcasts, so every rank leaves pretraining at the same step."""
+    target = cfg.algorithm.value_pretrain_ev_target
+    if target is None:
+        return False
+    done = torch.tensor([1.0 if explained_variance >= target else 0.0], device=device())
+    if dist.is_initialized():
+        dist.broadcast(done, src=0)
+    return bool(done.item() > 0)
+
+
+def local_minibatches(minibatches: list[list[int]]) -> tuple[list[int], list[list[int]]]:
+    """(rows of this rank in mini-batch order, each mini-batch as row indices of that local batch)."""
+    rows, local, off = [], [], 0
+    for mb in minibatches:
+        rows += mb
+        local.append(list(range(off, off + len(mb))))
+        off += len(mb)
+    return rows, local
+
+
+def set_masks(batch: StepBatch, cfg) -> None:
+    """loss_mask: response tokens that count for the policy: the current T-PPO window's (all of
+    them without windows, or with algorithm.retrain_earlier_windows), minus samples cut by the
+    length cap under the DAPO overlong filter; value_mask: tokens that train the critic (T-PPO /
+    EGAE: finished samples only). megarl.algorithms.tppo.tppo_masks."""
+    al = cfg.algorithm
+    cut = torch.tensor([al.overlong_filter and f == "length" for f in batch.finish_reason])
+    unfinished = batch.truncated & (al.advantage == "egae")
+    window_start = batch.window_start if batch.window_start is not None else torch.zeros(len(batch), dtype=torch.long)
+    policy, batch.value_mask = A.tppo_masks(batch.response_mask, window_start, unfinished, al.retrain_earlier_windows)
+    batch.loss_mask = policy * (~cut).float().unsqueeze(1)
+    if batch.template_mask is not None:  # PAG: instruction tokens were appended, not generated
+        batch.loss_mask = batch.loss_mask * (1.0 - batch.template_mask)
+        batch.value_mask = batch.value_mask * (1.0 - batch.template_mask)
+
+
+# ---- prepare ----------------------------------------------------------------------------------
+def compute_log_probs(model, batch: StepBatch, temperature: float) -> torch.Tensor:
+    """[B, T] log-probs of the response tokens under `model` (logits / temperature)."""
+    return model.forward_only(
+        batch, lambda mb, logits: mb.log_probs(logits, temperature))
+
+
+def compute_values(critic, batch: StepBatch) -> torch.Tensor:
+    return critic.forward_only(batch, lambda mb, values: mb.values(values))
+
+
+# ---- advantages -------------------------------------------------------------------------------
+def kl_controller(cfg):
+    """The KL coefficient: fixed, or adaptive (`algorithm.kl_target`) for KL-in-reward."""
+    al = cfg.algorithm
+    if al.kl_target is not None:
+        return A.AdaptiveKLController(al.kl_coef, al.kl_target, al.kl_horizon)
+    return A.FixedKLController(al.kl_coef)
+
+
+def _params(cfg, value_pretraining: bool) -> A.AdvantageParams:
+    al = cfg.algorithm
+    p = A.AdvantageParams(gamma=al.gamma, lam=al.lam_actor, lam_critic=al.lam_critic,
+                          length_adaptive_alpha=al.length_adaptive_alpha, whiten=False,
+                          norm_by_std=al.norm_adv_by_std, gpg_alpha=al.gpg_alpha,
+                          gpg_norm_by_std=al.gpg_norm_by_std)
+    if value_pretraining:  # VC-PPO: critic targets are Monte-Carlo returns (lambda = 1, gamma as set)
+        p.lam, p.lam_critic, p.length_adaptive_alpha = 1.0, 1.0, None
+    return p
+
+
+def _dp_all_reduce(t: torch.Tensor, dp_group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """All-reduce over data parallelism (the identity in a process without torch.distributed)."""
+    if not dist.is_initialized():
+        return t
+    t = t.to(device())
+    dist.all_reduce(t, op=op, group=dp_group)
+    return t.cpu()
+
+
+def gather_rows(local: torch.Tensor, rows: list[int], n: int, dp_group) -> torch.Tensor:
+    """[len(rows), T] rows held by this DP rank -> [n, T] with every rank's rows (each row is owned
+    by exactly one DP rank, so a sum over DP assembles the whole batch)."""
+    full = torch.zeros(n, local.shape[1], dtype=torch.float32)
+    full[torch.tensor(rows, dtype=torch.long)] = local.float()
+    return _dp_all_reduce(full, dp_group)
+
+
+def kl_in_reward(cfg) -> bool:
+    return cfg.algorithm.kl_in_reward and cfg.algorithm.kl_coef > 0
+
+
+def token_rewards(batch: StepBatch, cfg, kl_coef: float, dp_group) -> tuple[torch.Tensor, dict[str, float]]:
+    """Outcome score on the last response token; with KL-in-reward minus beta * KL per token, and
+    the batch's mean per-sample KL (verl's statistic, over all DP ranks) as `actor/reward_kl`.
+    Code PRM (prm.dense_reward): plus batch.prm_rewards, the dense line rewards (megarl.trainer.prm),
+    their per-sample sum averaged over all DP ranks as `reward/prm_dense`."""
+    rewards = (pag.batch_turn_rewards(batch, cfg) if batch.turn_ends is not None  # PAG: one reward per turn
+               else A.place_outcome_reward(batch.score, batch.response_mask))
+    prm_metrics = {}
+    if batch.prm_rewards is not None:
+        rewards = rewards + batch.prm_rewards
+        s = _dp_all_reduce(torch.stack([batch.prm_rewards.sum().double(), torch.tensor(float(len(batch))).double()]),
+                           dp_group)
+        prm_metrics["reward/prm_dense"] = float(s[0] / s[1].clamp(min=1.0))
+    if not kl_in_reward(cfg):
+        return rewards, prm_metrics
+    rewards, current_kl = A.apply_kl_in_reward(rewards, batch.old_logprobs, batch.ref_logprobs,
+                                               batch.response_mask, kl_coef, cfg.algorithm.kl_type)
+    rows = (batch.response_mask.sum(-1) > 0).sum().double()
+    s = _dp_all_reduce(torch.stack([current_kl.double() * rows, rows]), dp_group)
+    return rewards, {"actor/reward_kl": float(s[0] / s[1].clamp(min=1.0)), "actor/kl_coef": kl_coef, **prm_metrics}
+
+
+def compute_advantages(batch: StepBatch, local: StepBatch, local_rows: list[int], cfg, dp_group,
+                       kl_coef: float, value_pretraining: bool = False) -> dict[str, float]:
+    """Sets local.advantages (and local.returns for critic estimators); returns metrics.
+
+    `batch` is the whole step (same on every rank), `local` its rows `local_rows` with this DP
+    rank's log-probs and values. Critic estimators run per sequence on the local rows and are
+    whitened (when asked) over the policy-loss tokens of the whole batch (DP-reduced moments).
+    Group estimators see every row: rewards with a KL term are gathered across DP first.
+    """
+    al = cfg.algorithm
+    estimator = A.ADVANTAGES.resolve(al.advantage, "algorithm.advantage")
+    rewards, metrics = token_rewards(local, cfg, kl_coef, dp_group)
+    params = _params(cfg, value_pretraining)
+    if not uses_critic_advantage(cfg):
+        full_rewards = (gather_rows(rewards, local_rows, len(batch), dp_group) if kl_in_reward(cfg)
+                        else A.place_outcome_reward(batch.score, batch.response_mask))
+        inputs = A.AdvantageInputs(token_rewards=full_rewards, mask=batch.response_mask, group_index=batch.uid,
+                                   baseline_scores=batch.baseline_score)
+        adv, _ = estimator(inputs, params)
+        local.advantages = _weighted(adv[torch.tensor(local_rows, dtype=torch.long)] * local.response_mask, local)
+        local.returns = local.advantages
+        return metrics
+    if local.turn_ends is not None:  # PAG: GAE over generated tokens, per turn; RoleAdvNorm
+        gae_mask, turn_starts, role_ids = pag.advantage_layout(local, cfg)
+        inputs = A.AdvantageInputs(token_rewards=rewards, mask=gae_mask, values=local.values, turn_starts=turn_starts)
+        adv, returns = estimator(inputs, params)
+        if al.whiten_advantages:
+            adv = pag.whiten(adv, local.loss_mask, role_ids, cfg, lambda m: _dp_all_reduce(m, dp_group))
+        local.advantages = _weighted(adv * gae_mask, local)
+        local.returns = returns * gae_mask
+        return metrics
+    inputs = A.AdvantageInputs(token_rewards=rewards, mask=local.response_mask, values=local.values,
+                               truncated=local.truncated)
+    adv, returns = estimator(inputs, params)
+    if al.whiten_advantages:
+        moments = _dp_all_reduce(A.masked_moments(adv, local.loss_mask).double(), dp_group)
+        mean, var = A.stats_from_moments(moments)
+        adv = (adv - mean.float()) * torch.rsqrt(var.float() + 1e-8)
+    local.advantages = _weighted(adv * local.response_mask, local)
+    local.returns = returns * local.response_mask
+    return metrics
+
+
+def _weighted(advantages: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+    """Advantages times the rollout IS weights, when set: for the weightable policy losses this is
+    the weighted policy-gradient term (megarl.algorithms.offpolicy); critic targets are unweighted."""
+    return advantages if batch.is_weights is None else advantages * batch.is_weights
+
+
+def rollout_correction(batch: StepBatch, cfg, dp_group) -> dict[str, float]:
+    """algorithm.rollout_is (megarl.algorithms.offpolicy): sets batch.is_weights from the trainer's
+    old log-probs and the engine's, over the policy-loss tokens; MIS also takes the tokens above
+    the threshold out of batch.loss_mask. Metrics over every DP rank's tokens."""
+    mode = cfg.algorithm.rollout_is
+    if mode is None:
+        return {}
+    batch.is_weights, batch.loss_mask, stats = A.rollout_is_weights(
+        batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask, mode, cfg.algorithm.rollout_is_cap)
+    sums = _dp_all_reduce(stats[:4], dp_group)
+    peak = _dp_all_reduce(stats[4:], dp_group, dist.ReduceOp.MAX)
+    return A.rollout_is_metrics(torch.cat([sums, peak]), mode)
+
+
+def explained_variance(batch: StepBatch, dp_group) -> dict[str, float]:
+    """EV = 1 - Var(ret - V)/Var(ret) over the value tokens of the whole batch (DP-reduced moments);
+    0 when the returns do not vary (every sample scored the same: the moments then leave a rounding
+    residue of ~1e-16 for Var(ret), which would give EVs of -1e12)."""
+    m = torch.stack([A.masked_moments(batch.returns, batch.value_mask),
+                     A.masked_moments(batch.returns - batch.values, batch.value_mask)]).double()
+    m = _dp_all_reduce(m, dp_group)
+    (_, var_r), (_, var_d) = A.stats_from_moments(m[0]), A.stats_from_moments(m[1])
+    return {"critic/explained_variance": float(1.0 - var_d / var_r) if var_r > 1e-8 else 0.0}
+
+
+def logprob_mismatch(batch: StepBatch, dp_group) -> dict[str, float]:
+    """Mean and max |rollout log-prob - trainer log-prob| over the tokens the engine generated
+    with the weights the trainer holds (the latest T-PPO window; every response token without
+    windows): the engine/trainer numerical mismatch (diagnostic, docs/algorithms.md §0). Earlier
+    windows' tokens came from older weights; `rollout_correction` weighs those."""
+    mask = batch.window_mask
+    if batch.template_mask is not None:  # PAG instruction tokens have no engine log-prob
+        mask = mask * (1.0 - batch.template_mask)
+    d = (batch.rollout_logprobs - batch.old_logprobs).abs() * mask
+    s = _dp_all_reduce(torch.stack([d.sum(), mask.sum()]).double(), dp_group)
+    peak = _dp_all_reduce(d.max().reshape(1).double() if d.numel() else torch.zeros(1, dtype=torch.float64),
+                          dp_group, dist.ReduceOp.MAX)
+    return {"rollout/logprob_mismatch": float(s[0] / s[1].clamp(min=1.0)),
+            "rollout/logprob_mismatch_max": float(peak[0])}
+
+
+# ---- updates ----------------------------------------------------------------------------------
+def global_counts(batch: StepBatch, rows: list[int], dp_group, mask: torch.Tensor) -> dict[str, float]:
+    """Token / sequence counts of a mini-batch over all DP ranks (the loss denominators), and
+    those of its positive (acc) samples for VAPO's NLL term; `empty`: no token counts at all."""
+    m = mask[torch.tensor(rows, dtype=torch.long)] if rows else mask[:0]
+    pos = batch.acc[torch.tensor(rows, dtype=torch.long)].float() if rows else torch.zeros(0)
+    tok = m.sum(-1)
+    local = torch.stack([tok.sum(), (tok > 0).float().sum(), (tok * pos).sum(), ((tok > 0).float() * pos).sum()])
+    tok, seq, pos_tok, pos_seq = _dp_all_reduce(local.double(), dp_group).tolist()
+    return {"tokens": max(tok, 1.0), "seqs": max(seq, 1.0), "pos_tokens": max(pos_tok, 1.0),
+            "pos_seqs": max(pos_seq, 1.0), "empty": tok == 0}
+
+
+def _share(metrics: dict[str, torch.Tensor], n_local: float, n_global: float, prefix: str) -> dict[str, torch.Tensor]:
+    """Local means -> their share of the global mean (summing shares over micro-batches and
+    DP ranks gives the mini-batch mean). Max/min statistics do not sum and are left out."""
+    w = n_local / n_global
+    return {f"{prefix}/{k}": v.detach() * w for k, v in metrics.items()
+            if k not in ("ratio_max", "ratio_min", "n_tokens")}
+
+
+def objective_kwargs(cfg) -> dict:
+    """The keyword parameters of the selected policy loss from their algorithm.* fields
+    (megarl.algorithms.objectives.CONFIG_KWARGS; none for ppo / vanilla_pg)."""
+    fields = A.objectives.CONFIG_KWARGS.get(cfg.algorithm.policy_loss, {})
+    return {kw: getattr(cfg.algorithm, name) for kw, name in fields.items()}
+
+
+def actor_loss_fn(cfg, counts: dict[str, float], temperature: float):
+    al = cfg.algorithm
+    policy_loss = A.POLICY_LOSSES[al.policy_loss]
+    objective = objective_kwargs(cfg)
+    denominators = dict(global_tokens=counts["tokens"], global_seqs=counts["seqs"], max_len=cfg.rollout.max_new_tokens)
+
+    def loss_fn(mb: MicroBatch, logits):
+        d = mb.data
+        logp = mb.log_probs(logits, temperature)
+        mask = d.loss_mask
+        loss, m = policy_loss(logp, d.old_logprobs, d.advantages, mask, al.clip_low, al.clip_high, al.clip_c,
+                              agg=al.loss_agg, **denominators, **objective)
+        logs = _share(m, float(mask.sum()), counts["tokens"], "actor")
+        logs["actor/pg_loss"] = loss.detach()
+        if al.kl_coef > 0 and not al.kl_in_reward:
+            kl_loss = A.agg_loss(A.kl_penalty(logp, d.ref_logprobs, al.kl_type), mask, al.loss_agg, **denominators)
+            loss = loss + al.kl_coef * kl_loss
+            logs["actor/kl_loss"] = kl_loss.detach()
+        with torch.set_grad_enabled(al.entropy_coef > 0 and torch.is_grad_enabled()):
+            ent = mb.entropy(logits, temperature)
+            ent_agg = A.agg_loss(ent, mask, al.loss_agg, **denominators)
+        if al.entropy_coef > 0:
+            loss = loss - al.entropy_coef * ent_agg
+        logs["actor/entropy"] = ent_agg.detach()
+        if al.pos_lm_coef > 0:
+            nll = A.positive_example_nll(logp, mask, d.acc, "token-mean", counts["pos_tokens"])
+            loss = loss + al.pos_lm_coef * nll
+            logs["actor/pos_lm_loss"] = nll.detach()
+        return loss, logs
+
+    return loss_fn
+
+
+def critic_loss_fn(cfg, counts: dict[str, float]):
+    al = cfg.algorithm
+
+    def loss_fn(mb: MicroBatch, values):
+        d = mb.data
+        v = mb.values(values)
+        loss, m = A.value_loss(v, d.values, d.returns, d.value_mask, al.value_clip, "token-mean", counts["tokens"])
+        logs = _share(m, float(d.value_mask.sum()), counts["tokens"], "critic")
+        logs["critic/value_loss"] = loss.detach()
+        return loss, logs
+
+    return loss_fn
+
+
+def update(model, batch: StepBatch, minibatches: list[list[int]], loss_factory, dp_group,
+           mask: torch.Tensor) -> dict[str, float]:
+    """One optimizer step per mini-batch (rows of `batch`); metrics averaged over mini-batches.
+    `mask` ([B, T] of `batch`) gives the loss denominators: loss_mask or value_mask. A mini-batch
+    with no such token on any DP rank is skipped (T-PPO: the critic when no sample in it finished;
+    an optimizer step on zero gradients would still move Adam's momentum and weight decay)."""
+    counts = [global_counts(batch, rows, dp_group, mask) for rows in minibatches]
+    todo = [(rows, c) for rows, c in zip(minibatches, counts) if not c["empty"]]
+    totals: dict[str, float] = {}
+    role = "critic" if model.value_head else "actor"
+    for rows, c in todo:
+        metrics = model.train_step(batch, loss_factory(c), rows)
+        metrics[f"{role}/grad_norm"] = metrics.pop("grad_norm")  # actor and critic both report one
+        for k, v in metrics.items():
+            totals[k] = totals.get(k, 0.0) + v / len(todo)
+    return totals
