@@ -35,6 +35,7 @@ import sys
 import time
 from pathlib import Path
 
+from megarl.config import MegaRLConfig
 from megarl.log import setup_logging
 from megarl.parallel.launch import torchrun_command
 
@@ -152,7 +153,7 @@ def worker(argv: list[str]) -> None:
 SFT_DONE = "sft_done.json"  # written after the SFT checkpoint is complete
 
 
-def _critic_sft(run: Path, cfg, sft_out: dict) -> str:
+def _critic_sft(run: Path, cfg: MegaRLConfig, sft_out: dict) -> str:
     """quickstart.critic_sft_steps more SFT steps from the policy's SFT checkpoint, saved to
     <run>/sft_critic (reused when complete with the same settings); returns the checkpoint."""
     import torch.distributed as dist
@@ -178,7 +179,7 @@ def _critic_sft(run: Path, cfg, sft_out: dict) -> str:
     return out["checkpoint"]
 
 
-def save_quickstart_model(out: Path, cfg) -> None:
+def save_quickstart_model(out: Path, cfg: MegaRLConfig) -> None:
     """The tiny model of `quickstart.family` (tokenizer, weights; a VLM also its image processor)."""
     if cfg.quickstart.family == "qwen2_5_vl":
         from megarl.tasks.tiny_vlm import save_tiny_vlm
@@ -190,7 +191,7 @@ def save_quickstart_model(out: Path, cfg) -> None:
     save_tiny_model(out, tiny_model_spec(cfg))
 
 
-def tiny_model_spec(cfg):
+def tiny_model_spec(cfg: MegaRLConfig):
     """The tiny model of this quickstart: the default sizes, `quickstart.*` picks the family."""
     from megarl.tasks.tiny_model import TinyModelSpec
 
@@ -200,7 +201,7 @@ def tiny_model_spec(cfg):
                          moe_topk=q.moe_topk if moe else 0, moe_intermediate=q.moe_intermediate if moe else 0)
 
 
-def _check_built_model(model_dir: Path, cfg) -> None:
+def _check_built_model(model_dir: Path, cfg: MegaRLConfig) -> None:
     """A run dir keeps the tiny model it was first built with: refuse quickstart.* settings that
     describe another one (e.g. the MoE config pointed at a dense run dir)."""
     from transformers import AutoConfig
@@ -244,7 +245,7 @@ def _logged_eval(run: Path, step: int, key: str = "eval/accuracy") -> float:
     return value
 
 
-def _finished_sft(path: Path, cfg) -> dict | None:
+def _finished_sft(path: Path, cfg: MegaRLConfig) -> dict | None:
     """The SFT result of an earlier run of this quickstart with the same SFT settings, if its
     checkpoint is complete (re-running a run dir, or one seeded with another run's tiny_model/,
     task/, megatron_init/ and sft_actor/, skips the SFT phase)."""
@@ -255,7 +256,7 @@ def _finished_sft(path: Path, cfg) -> dict | None:
     return out if out.pop("sft", None) == _sft_settings(cfg) else None
 
 
-def _sft_settings(cfg) -> dict:
+def _sft_settings(cfg: MegaRLConfig) -> dict:
     """sft.* without the data path (always <run_dir>/task/sft.jsonl here)."""
     return {k: v for k, v in dataclasses.asdict(cfg.sft).items() if k != "data_path"}
 
@@ -273,7 +274,7 @@ def _hf_to_megatron(hf_dir: Path, out: Path, dtype: str) -> None:
     save_megatron_checkpoint(model, out, hf_config, hf_source_dir=hf_dir)
 
 
-def _print_table(cfg, sft_out, before, after, t_sft, t_rl, wall, extra=()) -> None:
+def _print_table(cfg: MegaRLConfig, sft_out, before, after, t_sft, t_rl, wall, extra=()) -> None:
     from rich.console import Console
     from rich.table import Table
 

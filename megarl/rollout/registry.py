@@ -29,7 +29,7 @@ def _sglang(**kwargs: Any) -> RolloutEngine:
     Nothing starts here: SGLang sizes its KV pool when it starts, which `start()` or the first
     `resume_memory()` does, once the training state is off the GPU.
     """
-    from megarl.rollout.sglang_engine import SGLangEngine
+    from megarl.rollout.sglang.engine import SGLangEngine
 
     return SGLangEngine(**kwargs)
 

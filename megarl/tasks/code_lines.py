@@ -36,6 +36,7 @@ import json
 import random
 from pathlib import Path
 
+from megarl.config import MegaRLConfig
 from megarl.tasks import QUICKSTART_TASKS, QuickstartTask
 
 DATA_SOURCE = "code"
@@ -110,11 +111,11 @@ def write_task_files(out_dir: str | Path, n_sft: int, n_train: int, n_eval: int,
     return paths
 
 
-def write_quickstart_files(out_dir: Path, cfg) -> None:
+def write_quickstart_files(out_dir: Path, cfg: MegaRLConfig) -> None:
     write_task_files(out_dir, n_sft=8000, n_train=2000, n_eval=128, seed=cfg.trainer.seed)
 
 
-def before_rl(cfg, run_dir: Path, sft_out: dict) -> None:
+def before_rl(cfg: MegaRLConfig, run_dir: Path, sft_out: dict) -> None:
     from megarl.trainer.prm import ensure_prm
 
     ensure_prm(cfg, run_dir)

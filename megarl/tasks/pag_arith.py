@@ -29,6 +29,7 @@ import json
 import random
 from pathlib import Path
 
+from megarl.config import MegaRLConfig
 from megarl.data.templates import apply_template
 from megarl.rollout.multi_turn import VERDICT_CORRECT, VERDICT_WRONG
 from megarl.tasks import QUICKSTART_TASKS, QuickstartTask
@@ -168,7 +169,7 @@ def write_task_files(out_dir: str | Path, verify: str, revise: str, n_sft: int =
     return paths
 
 
-def write_quickstart_files(out_dir: Path, cfg) -> None:
+def write_quickstart_files(out_dir: Path, cfg: MegaRLConfig) -> None:
     g = cfg.algorithm.pag
     write_task_files(out_dir, g.verify_instruction, g.revise_instruction, seed=cfg.trainer.seed)
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from megarl.config import MegaRLConfig
 from megarl.tasks import QUICKSTART_TASKS, QuickstartTask
 from megarl.tasks.pag_arith import answer_sft_row, pag_table_metrics, with_verdict, write_pag_files
 
@@ -101,7 +102,7 @@ def write_task_files(out_dir: str | Path, verify: str, revise: str, n_sft: int =
                            n_sft, n_train, n_eval)
 
 
-def write_quickstart_files(out_dir: Path, cfg) -> None:
+def write_quickstart_files(out_dir: Path, cfg: MegaRLConfig) -> None:
     g = cfg.algorithm.pag
     write_task_files(out_dir, g.verify_instruction, g.revise_instruction, seed=cfg.trainer.seed)
 

@@ -37,6 +37,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+from megarl.config import MegaRLConfig
 from megarl.rewards.types import RewardInput, RewardOutput
 from megarl.tasks import QUICKSTART_TASKS, QuickstartTask
 
@@ -180,11 +181,11 @@ def write_task_files(out_dir: str | Path, seed: int, sft_per_prompt: int = 2,
     return paths
 
 
-def write_quickstart_files(out_dir: Path, cfg) -> None:
+def write_quickstart_files(out_dir: Path, cfg: MegaRLConfig) -> None:
     write_task_files(out_dir, seed=cfg.trainer.seed)
 
 
-def train_judge_before_rl(cfg, run_dir: Path, sft_out: dict) -> None:
+def train_judge_before_rl(cfg: MegaRLConfig, run_dir: Path, sft_out: dict) -> None:
     """Quickstart hook (every rank, after the policy's SFT): trains the pairwise judge on the
     task's preference pairs from the SFT policy's checkpoint, exports it to <run_dir>/judge/hf,
     prints its held-out accuracy (both orders) and points reward.judge_path at it.

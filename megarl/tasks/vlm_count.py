@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megarl.config import MegaRLConfig
 from megarl.tasks import QUICKSTART_TASKS, QuickstartTask
 
 TASK_NAME = DATA_SOURCE = "vlm_count"
@@ -132,7 +133,7 @@ def write_task_files(out_dir: str | Path, n_sft: int, n_train: int, n_eval: int,
     return paths
 
 
-def write_quickstart_files(out_dir: Path, cfg) -> None:
+def write_quickstart_files(out_dir: Path, cfg: MegaRLConfig) -> None:
     """The quickstart's split sizes (12000 SFT, 4000 train, 200 eval) at the run's seed."""
     write_task_files(out_dir, n_sft=12000, n_train=4000, n_eval=200, seed=cfg.trainer.seed)
 

@@ -8,6 +8,7 @@ from datetime import timedelta
 from pathlib import Path
 
 
+from megarl.config import MegaRLConfig
 from megarl.trainer.train_model import TrainModel
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ def model_options(model_cfg, parallel_cfg) -> dict:
     return opts
 
 
-def _train_model(cfg, hf_config, optim, load: str | None, value_head: bool = False) -> TrainModel:
+def _train_model(cfg: MegaRLConfig, hf_config, optim, load: str | None, value_head: bool = False) -> TrainModel:
     """Builds the model and loads `load` (a megarl torch_dist model checkpoint) or, without
     one, the HF safetensors of model.hf_path (rank-local slice reads)."""
     from megatron.core import parallel_state as ps
@@ -92,20 +93,20 @@ def _train_model(cfg, hf_config, optim, load: str | None, value_head: bool = Fal
     return model
 
 
-def actor_routing_options(cfg) -> dict:
+def actor_routing_options(cfg: MegaRLConfig) -> dict:
     """MoE options of the trained actor (the reference model and the critic route natively)."""
     return dict(freeze_router=cfg.model.freeze_router, routing_replay=cfg.algorithm.routing_replay,
                 track_routing=True)
 
 
-def build_actor(cfg, hf_config, optim=True) -> TrainModel:
+def build_actor(cfg: MegaRLConfig, hf_config, optim=True) -> TrainModel:
     from megarl.config import validate_model
 
     validate_model(cfg, hf_config)  # layout and MoE rules that need the model (ConfigError naming the field)
     return _train_model(cfg, hf_config, cfg.actor if optim else None, cfg.model.load)
 
 
-def build_critic(cfg, hf_config, actor: TrainModel) -> TrainModel:
+def build_critic(cfg: MegaRLConfig, hf_config, actor: TrainModel) -> TrainModel:
     """Same architecture with a scalar value head: loaded from `model.critic_load` (or a critic
     checkpoint path in critic.init_from), else initialised from a backbone with the value head as
     built: the actor's current one (critic.init_from=actor, copied in memory), or that of the
@@ -134,7 +135,7 @@ def build_critic(cfg, hf_config, actor: TrainModel) -> TrainModel:
     return critic
 
 
-def _prm_checkpoint(cfg) -> str:
+def _prm_checkpoint(cfg: MegaRLConfig) -> str:
     from megarl.weights.dist_ckpt import read_checkpoint_meta
 
     path = cfg.prm.path
@@ -145,12 +146,12 @@ def _prm_checkpoint(cfg) -> str:
     return path
 
 
-def build_prm(cfg, hf_config) -> TrainModel:
+def build_prm(cfg: MegaRLConfig, hf_config) -> TrainModel:
     """The code PRM for dense rewards: a forward-only value-head model loaded from prm.path."""
     return _train_model(cfg, hf_config, None, _prm_checkpoint(cfg), value_head=True)
 
 
-def build_engine(cfg, hf_config, tokenizer):
+def build_engine(cfg: MegaRLConfig, hf_config, tokenizer):
     from megarl.rollout.registry import make_engine
 
     if cfg.rollout.engine == "builtin":
@@ -158,7 +159,7 @@ def build_engine(cfg, hf_config, tokenizer):
 
         return make_engine("builtin", config=hf_config, tokenizer=tokenizer, device=device(),
                            kv_cache_gb=cfg.rollout.kv_cache_gb)
-    from megarl.rollout.sglang_utils import server_args
+    from megarl.rollout.sglang.requests import server_args
 
     return make_engine("sglang", model_path=cfg.model.hf_path, group=engine_group(cfg.parallel.rollout_tp),
                        return_routed_experts=cfg.algorithm.routing_replay, **server_args(cfg))
@@ -195,7 +196,7 @@ def engine_group(tp: int, timeout: timedelta | None = None):
 JUDGE_SOURCES = ("genrm", "pairwise_genrm")
 
 
-def build_rewards(cfg):
+def build_rewards(cfg: MegaRLConfig):
     """The reward manager; with a GenRM source, also its judge (resource "judge"): a generative
     judge on a builtin engine loaded with `reward.judge_path` (an HF model directory; default:
     the policy's own model.hf_path, i.e. self-judging). `reward.judge` (a mapping) sets the
@@ -276,7 +277,7 @@ def _eval_spec(spec) -> dict:
     return spec
 
 
-def image_inputs(cfg, hf_config, tokenizer):
+def image_inputs(cfg: MegaRLConfig, hf_config, tokenizer):
     """The checkpoint's image processor and vision tokens (`megarl.data.images.ImageInputs`) for a
     vision-language model, None for a text model."""
     if getattr(hf_config, "vision_config", None) is None:
@@ -287,7 +288,7 @@ def image_inputs(cfg, hf_config, tokenizer):
                                        placeholder=cfg.data.image_placeholder, max_image_tokens=cfg.data.max_image_tokens)
 
 
-def build_data(cfg, tokenizer, images=None) -> PromptData:
+def build_data(cfg: MegaRLConfig, tokenizer, images=None) -> PromptData:
     """Training prompts (a resumable sampler) and eval sets, templated and tokenised; bad rows,
     rows with unusable images (`images`: an ImageInputs, vision-language models) and over-long
     prompts are skipped, counted and named in a warning by megarl.data."""

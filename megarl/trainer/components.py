@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from megarl.config import MegaRLConfig
 from megarl.parallel.distributed import phase
 from megarl.rollout import SamplingParams
 from megarl.trainer import build, checkpoint, pag
@@ -137,7 +138,7 @@ class RunComponents:
             log.info("resumed from %s at step %d", latest, state.step)
 
 
-def build_components(cfg) -> RunComponents:
+def build_components(cfg: MegaRLConfig) -> RunComponents:
     from megatron.core import parallel_state as ps
 
     hf_config, tokenizer = build.load_hf_config_and_tokenizer(cfg.model.hf_path)
@@ -158,7 +159,7 @@ def build_components(cfg) -> RunComponents:
     )
 
 
-def _prm_scorer(cfg, hf_config, tokenizer):
+def _prm_scorer(cfg: MegaRLConfig, hf_config, tokenizer):
     if not cfg.prm.dense_reward:
         return None
     from megarl.trainer.prm import PrmScorer

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megarl.config import MegaRLConfig
 from megarl.algorithms import overlong_penalty
 from megarl.data.sampler import shard_for_rank
 from megarl.rollout import Sample, SamplingParams
@@ -46,7 +47,7 @@ def all_gather_list(local: list) -> list:
 class RolloutWorker:
     """Generates and scores trajectories for prompt items; one per rank."""
 
-    def __init__(self, engine, tokenizer, reward_manager, cfg, ranks_per_engine: int = 1, images=None):
+    def __init__(self, engine, tokenizer, reward_manager, cfg: MegaRLConfig, ranks_per_engine: int = 1, images=None):
         self.engine = engine
         self.images = images  # megarl.data.images.ImageInputs of a vision-language model, else None
         self.tokenizer = tokenizer
@@ -193,7 +194,7 @@ def _as_sample(t: Trajectory, index: int) -> Sample:
                   finish_reason="truncated", index=index, images=images)
 
 
-def overlong_max_len(cfg) -> int:
+def overlong_max_len(cfg: MegaRLConfig) -> int:
     """L_max of the soft overlong punishment: algorithm.overlong_max_len, or the generation cap."""
     return cfg.algorithm.overlong_max_len or cfg.rollout.max_new_tokens
 
@@ -204,7 +205,7 @@ def _sum_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
     return {k: sum(p.get(k, 0.0) for p in parts) for k in keys}  # reward metrics are counts and sums
 
 
-def step_seed(cfg, step: int, rnd: int) -> int:
+def step_seed(cfg: MegaRLConfig, step: int, rnd: int) -> int:
     return cfg.trainer.seed * 1_000_003 + step * 101 + rnd
 
 

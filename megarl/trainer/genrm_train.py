@@ -21,6 +21,8 @@ per order, when the judge puts more mass on the chosen response's label in that 
 
 from __future__ import annotations
 
+from megarl.config import MegaRLConfig
+
 import copy
 import json
 import logging
@@ -49,7 +51,7 @@ class JudgeTrainConfig:
             raise ValueError(f"reward.judge_train.lr must be > 0, got {self.lr}")
 
 
-def judge_train_config(cfg, overrides: dict | None = None) -> JudgeTrainConfig:
+def judge_train_config(cfg: MegaRLConfig, overrides: dict | None = None) -> JudgeTrainConfig:
     """JudgeTrainConfig from reward.judge_train (+ `overrides`); an error names the field."""
     opts = {**dict(cfg.reward.get("judge_train") or {}), **(overrides or {})}
     unknown = sorted(set(opts) - {f.name for f in fields(JudgeTrainConfig)})
@@ -68,7 +70,7 @@ def judge_train_config(cfg, overrides: dict | None = None) -> JudgeTrainConfig:
     return JudgeTrainConfig(**opts)
 
 
-def text_judge(cfg, tokenizer):
+def text_judge(cfg: MegaRLConfig, tokenizer):
     """A GenerativeJudge with the config's reward.judge settings and no engine: renders texts."""
     from megarl.rewards.genrm import GenerativeJudge, judge_config
 
@@ -145,7 +147,7 @@ def export_hf(ckpt: str | Path, out_dir: str | Path, dtype: str = "fp32") -> Non
         consume(stream)
 
 
-def train_pairwise_judge(cfg, train_pairs: str | Path, eval_pairs: str | Path | None, out_dir: str | Path,
+def train_pairwise_judge(cfg: MegaRLConfig, train_pairs: str | Path, eval_pairs: str | Path | None, out_dir: str | Path,
                          init_load: str | None = None, overrides: dict | None = None) -> dict:
     """Every rank (under torch.distributed with cfg.parallel): renders the pairs (both orders),
     runs `megarl sft` from `init_load` (a model checkpoint; default cfg.model.load) into

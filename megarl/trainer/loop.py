@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import time
 
+from megarl.config import MegaRLConfig
 from megarl.parallel.distributed import init_distributed
 from megarl.trainer import rl
 from megarl.trainer.batch import StepBatch
@@ -20,7 +21,7 @@ from megarl.trainer.step_collector import step_collector
 from megarl.trainer.state import TrainerState
 
 
-def train(cfg) -> dict:
+def train(cfg: MegaRLConfig) -> dict:
     init_distributed(cfg.parallel, seed=cfg.trainer.seed)
     run = build_components(cfg)
     al, tr, timer = cfg.algorithm, cfg.trainer, run.timer

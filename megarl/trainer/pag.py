@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from megarl.config import MegaRLConfig
 from megarl.algorithms.masked import WHITEN_EPS, masked_moments, stats_from_moments
 from megarl.algorithms.pairwise_pag import POLICY_ROLE, VERIFIER_ROLE, pag_turn_layout, pag_turn_rewards
 from megarl.rollout.multi_turn import MultiTurnSample, pag_rollout
@@ -31,7 +32,7 @@ ROLES = (POLICY_ROLE, VERIFIER_ROLE)
 
 
 # ---- rollout ----------------------------------------------------------------------------------
-def instructions(cfg, tokenizer) -> tuple[list[int], list[int]]:
+def instructions(cfg: MegaRLConfig, tokenizer) -> tuple[list[int], list[int]]:
     """Token ids of algorithm.pag.verify_instruction and revise_instruction (no special tokens added)."""
     g = cfg.algorithm.pag
     return tuple(list(tokenizer.encode(text, add_special_tokens=False))
@@ -142,7 +143,7 @@ def turn_rewards(turn_ends, turn_is_policy, turn_outcome, T: int, alpha: float) 
     return pag_turn_rewards(ends, pol, out.clamp(min=0), out, T, alpha)
 
 
-def batch_turn_rewards(batch: StepBatch, cfg) -> torch.Tensor:
+def batch_turn_rewards(batch: StepBatch, cfg: MegaRLConfig) -> torch.Tensor:
     return turn_rewards(batch.turn_ends, batch.turn_is_policy, batch.turn_outcome, batch.width, cfg.algorithm.pag.alpha)
 
 
@@ -151,7 +152,7 @@ def generated_mask(batch: StepBatch) -> torch.Tensor:
     return batch.response_mask * (1.0 - batch.template_mask)
 
 
-def advantage_layout(batch: StepBatch, cfg) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+def advantage_layout(batch: StepBatch, cfg: MegaRLConfig) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """(GAE mask: generated tokens, turn_starts [B, T] or None without turn_independent, role_ids [B, T])."""
     ends, pol, _ = turn_tensors(batch.turn_ends, batch.turn_is_policy, batch.turn_outcome)
     starts, roles = pag_turn_layout(ends, pol, batch.width)
@@ -175,7 +176,7 @@ def whiten_by_role(x: torch.Tensor, role_ids: torch.Tensor, moments: torch.Tenso
     return out
 
 
-def whiten(adv: torch.Tensor, loss_mask: torch.Tensor, role_ids: torch.Tensor, cfg,
+def whiten(adv: torch.Tensor, loss_mask: torch.Tensor, role_ids: torch.Tensor, cfg: MegaRLConfig,
            all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """Advantages whitened over the policy-loss tokens of the whole batch (`all_reduce` sums over DP):
     per role with algorithm.pag.role_adv_norm, else all roles together."""

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megarl.config import MegaRLConfig
 from megarl.algorithms import prm as P
 from megarl.data.sampler import shard_for_rank
 from megarl.rollout import SamplingParams
@@ -75,7 +76,7 @@ def _passes(rewards, jobs: list[tuple[object, str]], cache: dict) -> list[bool]:
     return [cache[(item.uid, text)] for item, text in jobs]
 
 
-def label_local(engine, tokenizer, rewards, items, prompt_ids, cfg, seed: int) -> tuple[list[dict], dict]:
+def label_local(engine, tokenizer, rewards, items, prompt_ids, cfg: MegaRLConfig, seed: int) -> tuple[list[dict], dict]:
     """Samples, scores and labels this rank's responses (see the module doc). Returns rows
     {prompt_ids, response_ids, line_ends, labels, passed, first_bad} and counts."""
     p, ro = cfg.prm, cfg.rollout
@@ -131,7 +132,7 @@ def _advance(row, search, answer, open_queries, k, searches) -> None:
         del searches[k]
 
 
-def label_with_policy(cfg, actor, hf_config, tokenizer) -> tuple[list[dict], dict]:
+def label_with_policy(cfg: MegaRLConfig, actor, hf_config, tokenizer) -> tuple[list[dict], dict]:
     """Every rank: the engine gets the actor's weights, the ranks label their share of the first
     prm.label_prompts training prompts, and all rows and counts are gathered (rank order)."""
     from megarl.data.dataset import load_prompt_dataset, tokenize_dataset
@@ -194,7 +195,7 @@ def fit_stats(model, rows: list[dict]) -> dict[str, float]:
             "mse_of_constant": float(((y.mean() - y) ** 2).mean())}
 
 
-def train_prm(cfg, hf_config, actor, rows: list[dict], save_to: Path) -> dict:
+def train_prm(cfg: MegaRLConfig, hf_config, actor, rows: list[dict], save_to: Path) -> dict:
     """Trains a PRM from the actor's backbone on labelled rows, saves it (model only) at
     `save_to`; returns fit statistics. Every rank, same rows."""
     from megatron.core import parallel_state as ps
@@ -233,7 +234,7 @@ def train_prm(cfg, hf_config, actor, rows: list[dict], save_to: Path) -> dict:
     return stats
 
 
-def ensure_prm(cfg, run_dir: Path | None = None) -> dict | None:
+def ensure_prm(cfg: MegaRLConfig, run_dir: Path | None = None) -> dict | None:
     """With prm.dense_reward or prm.init_critic: labels and trains a PRM from the policy at
     model.load and saves it at prm.path, unless a complete one is there. Every rank. Returns the
     statistics (labels, fit, wall time, the policy's path), also in <prm.path>/prm_stats.json. A
@@ -279,7 +280,7 @@ class PrmScorer:
     """The PRM during RL: a forward-only critic-architecture model loaded from prm.path whose
     line-end scores become dense rewards (megarl.algorithms.prm.dense_line_rewards)."""
 
-    def __init__(self, cfg, hf_config, tokenizer):
+    def __init__(self, cfg: MegaRLConfig, hf_config, tokenizer):
         self.model = build.build_prm(cfg, hf_config)
         self.newline_ids = newline_token_ids(tokenizer)
         self.lambda_fail, self.lambda_pass = cfg.prm.lambda_fail, cfg.prm.lambda_pass

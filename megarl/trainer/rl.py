@@ -14,6 +14,7 @@ import random
 import torch
 import torch.distributed as dist
 
+from megarl.config import MegaRLConfig
 from megarl import algorithms as A
 from megarl.data.packing import balance_across_dp
 from megarl.parallel.distributed import device
@@ -24,7 +25,7 @@ from megarl.trainer.batch import MicroBatch, StepBatch
 CRITIC_ADVANTAGES = ("gae", "egae")
 
 
-def uses_critic_advantage(cfg) -> bool:
+def uses_critic_advantage(cfg: MegaRLConfig) -> bool:
     """gae/egae, or a custom (dotted-path) estimator in a run with a critic."""
     name = cfg.algorithm.advantage
     return name in CRITIC_ADVANTAGES or (is_dotted_path(name) and cfg.critic.enable)
@@ -50,14 +51,14 @@ def split_minibatches(batch: StepBatch, mini_batch_size: int, seed: int, dp_rank
     return out
 
 
-def value_pretraining(cfg, step: int, pretrain_end: int | None = None) -> bool:
+def value_pretraining(cfg: MegaRLConfig, step: int, pretrain_end: int | None = None) -> bool:
     """VC-PPO / VAPO value pretraining: steps train only the critic, on Monte-Carlo targets, until
     `pretrain_end` (TrainerState.value_pretrain_end: the step at which the explained-variance target
     was met) or at most algorithm.value_pretrain_steps steps."""
     return pretrain_end is None and step < cfg.algorithm.value_pretrain_steps
 
 
-def value_pretraining_converged(cfg, explained_variance: float) -> bool:
+def value_pretraining_converged(cfg: MegaRLConfig, explained_variance: float) -> bool:
     """algorithm.value_pretrain_ev_target reached by this step's explained variance (the critic's
     values before its update, on the step's fresh rollouts: a held-out measure). Rank 0 decides and
     broadcasts, so every rank leaves pretraining at the same step."""
@@ -80,7 +81,7 @@ def local_minibatches(minibatches: list[list[int]]) -> tuple[list[int], list[lis
     return rows, local
 
 
-def set_masks(batch: StepBatch, cfg) -> None:
+def set_masks(batch: StepBatch, cfg: MegaRLConfig) -> None:
     """loss_mask: response tokens that count for the policy: the current T-PPO window's (all of
     them without windows, or with algorithm.retrain_earlier_windows), minus samples cut by the
     length cap under the DAPO overlong filter; value_mask: tokens that train the critic (T-PPO /
@@ -108,7 +109,7 @@ def compute_values(critic, batch: StepBatch) -> torch.Tensor:
 
 
 # ---- advantages -------------------------------------------------------------------------------
-def kl_controller(cfg):
+def kl_controller(cfg: MegaRLConfig):
     """The KL coefficient: fixed, or adaptive (`algorithm.kl_target`) for KL-in-reward."""
     al = cfg.algorithm
     if al.kl_target is not None:
@@ -116,7 +117,7 @@ def kl_controller(cfg):
     return A.FixedKLController(al.kl_coef)
 
 
-def _params(cfg, value_pretraining: bool) -> A.AdvantageParams:
+def _params(cfg: MegaRLConfig, value_pretraining: bool) -> A.AdvantageParams:
     al = cfg.algorithm
     p = A.AdvantageParams(gamma=al.gamma, lam=al.lam_actor, lam_critic=al.lam_critic,
                           length_adaptive_alpha=al.length_adaptive_alpha, whiten=False,
@@ -144,11 +145,11 @@ def gather_rows(local: torch.Tensor, rows: list[int], n: int, dp_group) -> torch
     return _dp_all_reduce(full, dp_group)
 
 
-def kl_in_reward(cfg) -> bool:
+def kl_in_reward(cfg: MegaRLConfig) -> bool:
     return cfg.algorithm.kl_in_reward and cfg.algorithm.kl_coef > 0
 
 
-def token_rewards(batch: StepBatch, cfg, kl_coef: float, dp_group) -> tuple[torch.Tensor, dict[str, float]]:
+def token_rewards(batch: StepBatch, cfg: MegaRLConfig, kl_coef: float, dp_group) -> tuple[torch.Tensor, dict[str, float]]:
     """Outcome score on the last response token; with KL-in-reward minus beta * KL per token, and
     the batch's mean per-sample KL (verl's statistic, over all DP ranks) as `actor/reward_kl`.
     Code PRM (prm.dense_reward): plus batch.prm_rewards, the dense line rewards (megarl.trainer.prm),
@@ -170,7 +171,7 @@ def token_rewards(batch: StepBatch, cfg, kl_coef: float, dp_group) -> tuple[torc
     return rewards, {"actor/reward_kl": float(s[0] / s[1].clamp(min=1.0)), "actor/kl_coef": kl_coef, **prm_metrics}
 
 
-def compute_advantages(batch: StepBatch, local: StepBatch, local_rows: list[int], cfg, dp_group,
+def compute_advantages(batch: StepBatch, local: StepBatch, local_rows: list[int], cfg: MegaRLConfig, dp_group,
                        kl_coef: float, value_pretraining: bool = False) -> dict[str, float]:
     """Sets local.advantages (and local.returns for critic estimators); returns metrics.
 
@@ -219,7 +220,7 @@ def _weighted(advantages: torch.Tensor, batch: StepBatch) -> torch.Tensor:
     return advantages if batch.is_weights is None else advantages * batch.is_weights
 
 
-def rollout_correction(batch: StepBatch, cfg, dp_group) -> dict[str, float]:
+def rollout_correction(batch: StepBatch, cfg: MegaRLConfig, dp_group) -> dict[str, float]:
     """algorithm.rollout_is (megarl.algorithms.offpolicy): sets batch.is_weights from the trainer's
     old log-probs and the engine's, over the policy-loss tokens; MIS also takes the tokens above
     the threshold out of batch.loss_mask. Metrics over every DP rank's tokens."""
@@ -281,14 +282,14 @@ def _share(metrics: dict[str, torch.Tensor], n_local: float, n_global: float, pr
             if k not in ("ratio_max", "ratio_min", "n_tokens")}
 
 
-def objective_kwargs(cfg) -> dict:
+def objective_kwargs(cfg: MegaRLConfig) -> dict:
     """The keyword parameters of the selected policy loss from their algorithm.* fields
     (megarl.algorithms.objectives.CONFIG_KWARGS; none for ppo / vanilla_pg)."""
     fields = A.objectives.CONFIG_KWARGS.get(cfg.algorithm.policy_loss, {})
     return {kw: getattr(cfg.algorithm, name) for kw, name in fields.items()}
 
 
-def actor_loss_fn(cfg, counts: dict[str, float], temperature: float):
+def actor_loss_fn(cfg: MegaRLConfig, counts: dict[str, float], temperature: float):
     al = cfg.algorithm
     policy_loss = A.POLICY_LOSSES[al.policy_loss]
     objective = objective_kwargs(cfg)
@@ -321,7 +322,7 @@ def actor_loss_fn(cfg, counts: dict[str, float], temperature: float):
     return loss_fn
 
 
-def critic_loss_fn(cfg, counts: dict[str, float]):
+def critic_loss_fn(cfg: MegaRLConfig, counts: dict[str, float]):
     al = cfg.algorithm
 
     def loss_fn(mb: MicroBatch, values):

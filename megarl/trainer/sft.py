@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megarl.config import MegaRLConfig
 from megarl.parallel.distributed import init_distributed
 from megarl.trainer import build, rl
 from megarl.trainer.batch import MicroBatch, StepBatch, Trajectory
@@ -88,7 +89,7 @@ def nll_loss_fn(counts: dict[str, float]):
     return loss_fn
 
 
-def sft_run_config(cfg, n_rows: int, max_steps: int | None = None):
+def sft_run_config(cfg: MegaRLConfig, n_rows: int, max_steps: int | None = None):
     """The config SFT trains the actor with: a copy whose actor optimizer takes sft.lr with
     sft.lr_warmup_steps (constant afterwards) and whose trainer.total_steps is the SFT step count:
     `max_steps` (or sft.max_steps), else sft.epochs passes of n_rows // sft.batch_size steps."""
@@ -100,7 +101,7 @@ def sft_run_config(cfg, n_rows: int, max_steps: int | None = None):
     return cfg
 
 
-def sft(cfg, max_steps: int | None = None, save_to: str | None = None) -> dict:
+def sft(cfg: MegaRLConfig, max_steps: int | None = None, save_to: str | None = None) -> dict:
     """Runs SFT; saves the actor (model only) as a torch_dist checkpoint at `save_to`
     (default run_dir/sft_actor). Returns {"steps", "final_nll", "checkpoint"}."""
     from megatron.core import parallel_state as ps

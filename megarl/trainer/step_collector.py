@@ -9,6 +9,7 @@ step has prompts_per_step groups with mixed outcomes; ReMax's greedy baseline), 
 
 from __future__ import annotations
 
+from megarl.config import MegaRLConfig
 from megarl.registry import import_object
 from megarl.rollout import SamplingParams
 from megarl.trainer.batch import Trajectory
@@ -28,7 +29,7 @@ def keep_mixed_groups(groups: list[list[Trajectory]]) -> list[list[Trajectory]]:
     return [g for g in groups if 0 < sum(t.acc for t in g) < len(g)]
 
 
-def collect_step_batch(next_items, encode, worker: RolloutWorker, cfg, step: int,
+def collect_step_batch(next_items, encode, worker: RolloutWorker, cfg: MegaRLConfig, step: int,
                        buffer: list[list[Trajectory]]) -> tuple[list[Trajectory], dict[str, float]]:
     """Returns the trajectories of one step (prompts_per_step groups) and rollout metrics.
 
@@ -77,7 +78,7 @@ def greedy_sampling(sampling: SamplingParams) -> SamplingParams:
     return SamplingParams(**{**sampling.__dict__, "n": 1, "temperature": 0.0, "fire": False})
 
 
-def _generate(worker, items, encoded, cfg, seed: int) -> list[Trajectory]:
+def _generate(worker, items, encoded, cfg: MegaRLConfig, seed: int) -> list[Trajectory]:
     """`worker.generate` of one round. With algorithm.advantage=remax also one greedy response per
     prompt (ReMax's baseline, arXiv 2310.10505): its score becomes `baseline_score` of that prompt's
     sampled trajectories, and the greedy trajectory itself is dropped (never trained on).
@@ -94,12 +95,12 @@ def _generate(worker, items, encoded, cfg, seed: int) -> list[Trajectory]:
     return trajs
 
 
-def collect_function(cfg):
+def collect_function(cfg: MegaRLConfig):
     """rollout.function (user code by dotted path), or `collect_step_batch`."""
     return import_object(cfg.rollout.function, "rollout.function") if cfg.rollout.function else collect_step_batch
 
 
-def step_collector(cfg, run):
+def step_collector(cfg: MegaRLConfig, run):
     """The rollout phase of the loop as `collect(step, state) -> (trajectories, metrics)`: T-PPO
     successive batching with rollout.window_tokens (state.in_flight carries unfinished samples),
     else one batch per step from `collect_function(cfg)` (state.carried_groups: its buffer)."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from megarl.config import MegaRLConfig
 from megarl.algorithms.tppo import staleness_histogram
 from megarl.trainer.batch import Trajectory
 from megarl.trainer.generation import generation_metrics, sampling_from_config, step_seed
@@ -50,7 +51,7 @@ def new_prompt_count(active: int, prompts_per_step: int, n: int) -> int:
 class SuccessiveBatching:
     """`collect(step, state) -> (trajectories, metrics)` for rollout.window_tokens (see the module docstring)."""
 
-    def __init__(self, cfg, worker, next_items, encode, dataset_items):
+    def __init__(self, cfg: MegaRLConfig, worker, next_items, encode, dataset_items):
         self.cfg, self.worker, self.next_items, self.encode = cfg, worker, next_items, encode
         self.items = {it.uid: it for it in dataset_items}  # carried samples are scored with their prompt item
 

@@ -1,4 +1,4 @@
-"""SGLang engine on CPU (its pure helpers: test_rollout_sglang_utils.py).
+"""SGLang engine on CPU (its pure helpers: test_rollout_sglang_requests.py).
 
 SGLang itself cannot run here; its GPU paths (weight streaming) are verified only on GPU clusters.
 `run_segment` and `SGLangEngine`'s start / memory / seeding / image / routing logic are exercised
@@ -25,8 +25,8 @@ import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from megarl.rollout import BuiltinEngine, SamplingParams, make_engine
-from megarl.rollout.sglang_engine import SGLangEngine
-from megarl.rollout.sglang_utils import GenerateCall, run_on_owner, run_segment, server_args
+from megarl.rollout.sglang.engine import SGLangEngine
+from megarl.rollout.sglang.requests import GenerateCall, run_on_owner, run_segment, server_args
 
 
 def _sglang_format(sample) -> dict:
@@ -388,7 +388,7 @@ def test_engine_sends_images_as_processor_output(tmp_path):
     """A vision-language checkpoint (config.json with text_config): prompts with expanded image pads
     and their pixels go to SGLang as one processor-output item per request (None for a text prompt),
     in both FIRE calls; each sample keeps its prompt's images (for continue_samples)."""
-    from megarl.rollout.sglang_engine import image_data
+    from megarl.rollout.sglang.engine import image_data
     from megarl.rollout.types import PromptImages
     from tests.distributed.scripts_vlm_common import make_prompt, make_tiny_vlm
 
@@ -447,7 +447,7 @@ def test_image_data_survives_sglang_normalisation_for_every_mix():
     (a text request none) for every mix of text and image requests, 1 to 4 requests."""
     import itertools
 
-    from megarl.rollout.sglang_engine import image_data
+    from megarl.rollout.sglang.engine import image_data
     from megarl.rollout.types import PromptImages
 
     for n in range(1, 5):

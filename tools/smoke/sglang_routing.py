@@ -1,7 +1,7 @@
 """The routed-experts part of tools/gpu_smoke.py's `sglang` check (MoE models), CPU-testable.
 
 Routing replay (`algorithm.routing_replay`) asks SGLang for the experts every token was routed to
-(megarl/rollout/sglang_engine.py). The smoke check starts an engine with that switch on a tiny
+(megarl/rollout/sglang/engine.py). The smoke check starts an engine with that switch on a tiny
 random Qwen3-MoE written here, generates, and checks what comes back:
 
 - `check_routed_experts`: each sample's `routed_experts` against the model config: shape

@@ -12,7 +12,7 @@ The other ranks wait on `group` while the owner starts the engine or generates: 
 group a timeout longer than the longest generation (`megarl.trainer.build.engine_group`).
 
 - server arguments: keyword arguments beyond the named ones go to `sglang.Engine` unchanged; from a
-  config, `sglang_utils.server_args` builds them (tp_size, mem_fraction_static, context_length,
+  config, `requests.server_args` builds them (tp_size, mem_fraction_static, context_length,
   chunked_prefill_size). `context_length` also caps every request's budget here (prompt + new tokens).
 - start: creates the `sglang.Engine`. SGLang sizes its KV pool at that moment from the free GPU
   memory (mem_fraction_static), so start it while the training state is off the GPU. The engine
@@ -72,7 +72,7 @@ import torch.distributed as dist
 
 from megarl.weights.hf_reader import has_tokenizer, read_config
 from megarl.rollout.sampling import segment_budget
-from megarl.rollout.sglang_utils import (
+from megarl.rollout.sglang.requests import (
     GenerateCall, ReleasedMemory, check_generate_request, engine_launch_env, gather_to_owner,
     memory_tags, needs_weight_update_session, rebucket, request_seeds, run_on_owner, run_segment,
     with_last_flag)

@@ -1,4 +1,4 @@
-"""SGLang engine helpers (megarl.rollout.sglang_utils): request dicts, seeds, output parsing,
+"""SGLang engine helpers (megarl.rollout.sglang.requests): request dicts, seeds, output parsing,
 weight buckets, gathering over gloo, memory regions, the start-up environment and the request
 contract checked before every `Engine.generate` call, all on CPU without SGLang."""
 
@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 from megarl.rollout import SamplingParams
 from megarl.rollout.sampling import TokenSampler
-from megarl.rollout.sglang_utils import (
+from megarl.rollout.sglang.requests import (
     MEMORY_TAGS, ReleasedMemory, broadcast_from_owner, check_generate_request, engine_launch_env,
     first_call, gather_to_owner, map_finish_reason, memory_tags, needs_weight_update_session,
     parse_output, plan_buckets, rebucket, request_seeds, run_on_owner, sample_seed, sampling_dict,
