@@ -134,6 +134,23 @@ def _ratio_metrics(ratio, log_ratio, mb, m, count, n) -> dict[str, torch.Tensor]
     }
 
 
+def _check_shapes(name: str, *ts: torch.Tensor) -> None:
+    if len({tuple(t.shape) for t in ts}) != 1:
+        raise ValueError(f"{name}: log_probs, old_log_probs, advantages and mask must have the same shape, got "
+                         + ", ".join(str(tuple(t.shape)) for t in ts))
+
+
+def _base_metrics(log_ratio: torch.Tensor, ratio: torch.Tensor, mask: torch.Tensor, dtype) -> tuple:
+    """(metrics with the ratio statistics and n_tokens, mask as bool, token count, clamped count as
+    float): what every policy loss reports besides its own clip fractions."""
+    mb = mask.bool()
+    count = mb.sum()
+    n = count.clamp(min=1).to(dtype)
+    metrics = _ratio_metrics(ratio.detach(), log_ratio.detach(), mb, mask.to(dtype), count, n)
+    metrics["n_tokens"] = count.to(dtype)
+    return metrics, mb, count, n
+
+
 def _log_ratio_and_ratio(log_probs, old_log_probs):
     log_ratio = (log_probs - old_log_probs).clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return log_ratio, torch.exp(log_ratio)
@@ -170,11 +187,7 @@ def policy_loss(
         raise ValueError(f"policy_loss: dual-clip constant clip_c must be > 1, got {clip_c}")
     if not (0.0 <= clip_low < 1.0 and clip_high >= 0.0):
         raise ValueError(f"policy_loss: need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
-    if not (log_probs.shape == old_log_probs.shape == advantages.shape == mask.shape):
-        raise ValueError(
-            "policy_loss: shapes differ: log_probs %s, old_log_probs %s, advantages %s, mask %s"
-            % tuple(tuple(t.shape) for t in (log_probs, old_log_probs, advantages, mask))
-        )
+    _check_shapes("policy_loss", log_probs, old_log_probs, advantages, mask)
     neg_adv = -advantages.to(log_probs.dtype)
     log_ratio, ratio = _log_ratio_and_ratio(log_probs, old_log_probs)
     clipped = torch.maximum(neg_adv * ratio, neg_adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high))
@@ -187,19 +200,14 @@ def policy_loss(
     with torch.no_grad():
         # Where the clip is active (L2 > L1): A > 0 and rho > 1+clip_high, or A < 0 and rho < 1-clip_low.
         # Dual-clip is active where A < 0 and max(rho, clip(rho)) > c, i.e. rho > c (c > 1).
-        mb = mask.bool()
-        m = mask.to(log_probs.dtype)
-        count = mb.sum()
-        n = count.clamp(min=1).to(log_probs.dtype)
-        ratio, log_ratio = ratio.detach(), log_ratio.detach()
+        base, mb, _, n = _base_metrics(log_ratio, ratio, mask, log_probs.dtype)
+        ratio = ratio.detach()
         pos, neg = (neg_adv < 0).logical_and_(mb), (neg_adv > 0).logical_and_(mb)  # A > 0, A < 0 (masked-in)
         high = _count(ratio > 1.0 + clip_high, pos) / n
         low = _count(ratio < 1.0 - clip_low, neg) / n
         metrics = {"clipfrac_high": high, "clipfrac_low": low, "clipfrac": high + low}
-        dual = _count(ratio > clip_c, neg) / n if clip_c is not None else torch.zeros_like(high)
-        metrics["dual_clip_frac"] = dual
-        metrics.update(_ratio_metrics(ratio, log_ratio, mb, m, count, n))
-        metrics["n_tokens"] = count.to(log_probs.dtype)
+        metrics["dual_clip_frac"] = _count(ratio > clip_c, neg) / n if clip_c is not None else torch.zeros_like(high)
+        metrics.update(base)
     return loss, metrics
 
 
@@ -223,14 +231,11 @@ def vanilla_pg_loss(
     At rho = 1 its gradient is REINFORCE's -A * grad log pi. Clip arguments are accepted for a
     uniform signature and ignored. Metrics: approx_kl (k3), approx_kl_k1, ratio_mean/max/min, n_tokens.
     """
+    _check_shapes("vanilla_pg", log_probs, old_log_probs, advantages, mask)
     log_ratio, ratio = _log_ratio_and_ratio(log_probs, old_log_probs)
     loss = agg_loss(-advantages.to(log_probs.dtype) * ratio, mask, agg, global_tokens, global_seqs, max_len)
     with torch.no_grad():
-        mb = mask.bool()
-        count = mb.sum()
-        n = count.clamp(min=1).to(log_probs.dtype)
-        metrics = _ratio_metrics(ratio.detach(), log_ratio.detach(), mb, mask.to(log_probs.dtype), count, n)
-        metrics["n_tokens"] = count.to(log_probs.dtype)
+        metrics, *_ = _base_metrics(log_ratio, ratio, mask, log_probs.dtype)
     return loss, metrics
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from .estimators import AdvantageInputs, AdvantageParams, _need, _scores
-from .losses import LOG_RATIO_CLAMP, Count, _count, _log_ratio_and_ratio, _msum, _ratio_metrics, agg_loss
+from .losses import LOG_RATIO_CLAMP, Count, _base_metrics, _check_shapes, _count, _log_ratio_and_ratio, _msum, agg_loss
 from .outcome import _group_stats, _scores_1d, broadcast_to_tokens
 from .registry import ADVANTAGES, POLICY_LOSSES
 
@@ -40,22 +40,6 @@ CONFIG_KWARGS: dict[str, dict[str, str]] = {
     "gmpo": {"eps_low": "gmpo_clip_low", "eps_high": "gmpo_clip_high"},
     "gpg": {},
 }
-
-
-def _check_shapes(name: str, *ts: torch.Tensor) -> None:
-    if len({tuple(t.shape) for t in ts}) != 1:
-        raise ValueError(f"{name}: log_probs, old_log_probs, advantages and mask must have the same shape, got "
-                         + ", ".join(str(tuple(t.shape)) for t in ts))
-
-
-def _base_metrics(log_ratio: torch.Tensor, ratio: torch.Tensor, mask: torch.Tensor, dtype) -> tuple:
-    """(metrics with the ratio statistics and n_tokens, mask as bool, token count, clamped count as float)."""
-    mb = mask.bool()
-    count = mb.sum()
-    n = count.clamp(min=1).to(dtype)
-    metrics = _ratio_metrics(ratio.detach(), log_ratio.detach(), mb, mask.to(dtype), count, n)
-    metrics["n_tokens"] = count.to(dtype)
-    return metrics, mb, count, n
 
 
 def _seq_sum(per_seq: torch.Tensor, m: torch.Tensor, global_seqs: Count) -> torch.Tensor:
