@@ -12,20 +12,14 @@ optimizer): megatron dist_checkpointing's async save through megarl.trainer.chec
    reported; both keep `latest` on a complete checkpoint.
 """
 
-import argparse
-import json
-from pathlib import Path
-
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megarl.config import load_config
 from megarl.parallel.distributed import ParallelSizes, init_distributed
 from megarl.trainer import checkpoint, rl
 from megarl.trainer.build import load_hf_config_and_tokenizer
 from megarl.trainer.train_model import TrainModel
-from megarl.weights import load_hf_weights
+from tests.distributed.harness import finish, gather, parse_args, train_model
 from tests.distributed.scripts_trainer import fixed_batch, train_two_steps
 
 
@@ -46,21 +40,14 @@ def same(a: dict, b: dict) -> bool:
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--root", required=True)
-    p.add_argument("overrides", nargs="*")
-    a = p.parse_args()
-    run = Path(a.root) / "run"
-    cfg = load_config(None, a.overrides)
+    a = parse_args(config=True)
+    run, cfg = a.root / "run", a.cfg
     init_distributed(ParallelSizes(tp=1), seed=0)
     hf_config, _ = load_hf_config_and_tokenizer(cfg.model.hf_path)
 
     def fresh() -> TrainModel:
-        m = TrainModel(hf_config, cfg.actor, dtype="fp32")
+        m = train_model(hf_config, cfg.actor, cfg.model.hf_path)
         m.hf_source_dir = cfg.model.hf_path
-        load_hf_weights(m.chunks, cfg.model.hf_path)
-        m.optimizer.reload_model_params()
         return m
 
     model = fresh()
@@ -100,12 +87,8 @@ def main():
     res["latest_after_kill"] = latest.name
     res["latest_problems_after_kill"] = checkpoint.checkpoint_problems(latest)
     res["step3_problems"] = checkpoint.checkpoint_problems(checkpoint.step_dir(run, 3))
-    outcomes = [None] * dist.get_world_size()
-    dist.all_gather_object(outcomes, res["kill_outcome"])
-    res["kill_outcomes"] = outcomes
-    if dist.get_rank() == 0:
-        Path(a.out).write_text(json.dumps(res))
-    dist.barrier()
+    res["kill_outcomes"] = gather(res["kill_outcome"])
+    finish(a.out, res)
 
 
 if __name__ == "__main__":

@@ -9,20 +9,17 @@ response views (log-probs / entropy at chunk sizes 1 and 3)
 against the unchunked ones, values and gradients.
 """
 
-import argparse
-import json
 import random
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from megarl.config import load_config
 from megarl.parallel.distributed import ParallelSizes, init_distributed
 from megarl.trainer import rl
 from megarl.trainer.batch import StepBatch, Trajectory
 from megarl.trainer.build import load_hf_config_and_tokenizer
 from megarl.trainer.train_model import TrainModel
+from tests.distributed.harness import dp_update, finish, metrics_rows, parse_args, train_model, train_run
 
 LAYOUTS = [(1, 1, 1), (1, 1, 2), (2, 1, 2), (1, 2, 2)]
 
@@ -46,14 +43,8 @@ def packed_batch(vocab: int, cfg, n: int = 8, max_response: int = 23) -> StepBat
 
 
 def run_layout(cfg, hf_config, tp, pp, cp) -> dict:
-    from megatron.core import parallel_state as ps
-
-    from megarl.weights import load_hf_weights
-
     init_distributed(ParallelSizes(tp=tp, pp=pp, cp=cp), seed=3)
-    actor = TrainModel(hf_config, cfg.actor, dtype="fp32", logprob_chunk_tokens=5)
-    load_hf_weights(actor.chunks, cfg.model.hf_path)
-    actor.optimizer.reload_model_params()
+    actor = train_model(hf_config, cfg.actor, cfg.model.hf_path, logprob_chunk_tokens=5)
     critic = TrainModel(hf_config, cfg.critic, value_head=True, dtype="fp32", seed=0, logprob_chunk_tokens=5)
     critic.copy_backbone_from(actor)
     batch = packed_batch(hf_config.vocab_size, cfg)
@@ -62,17 +53,10 @@ def run_layout(cfg, hf_config, tp, pp, cp) -> dict:
     out = {"old_logprobs": batch.old_logprobs.tolist(), "values": batch.values.tolist(),
            "microbatches": len(actor.microbatches(batch))}
     batch.old_logprobs = batch.old_logprobs + 0.3 * torch.sin(torch.arange(batch.width)) * batch.response_mask
-    dp_rank, dp_size, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
-    losses, entropies, norms = [], [], []
-    for step in range(2):
-        rows, mbs = rl.local_minibatches(rl.split_minibatches(batch, len(batch), step, dp_rank, dp_size))
-        local = batch.select(rows)
-        m = rl.update(actor, local, mbs, lambda c: rl.actor_loss_fn(cfg, c, 1.0), dp, local.loss_mask)
-        losses.append(m["actor/pg_loss"])
-        entropies.append(m["actor/entropy"])
-        norms.append(m["actor/grad_norm"])
-    m = rl.update(critic, local, mbs, lambda c: rl.critic_loss_fn(cfg, c), dp, local.value_mask)
-    out.update(losses=losses, entropies=entropies, grad_norms=norms,
+    metrics = [dp_update(actor, cfg, batch, step) for step in range(2)]
+    m = dp_update(critic, cfg, batch, 1, critic=True)  # the rows of the last actor update
+    out.update(losses=[x["actor/pg_loss"] for x in metrics], entropies=[x["actor/entropy"] for x in metrics],
+               grad_norms=[x["actor/grad_norm"] for x in metrics],
                critic_loss=m["critic/value_loss"], critic_grad_norm=m["critic/grad_norm"])
     return out
 
@@ -114,32 +98,20 @@ def chunked_views(cfg, hf_config) -> dict:
 
 
 def rl_loop_cp2_then_resume_cp1(config: str, overrides: list[str], root: Path) -> dict:
-    from megarl.trainer.loop import train
-
-    base = overrides + [f"trainer.run_dir={root / 'run'}", "trainer.save_interval=1", "trainer.eval_interval=0",
-                        "data.max_prompt_len=32", "rollout.max_new_tokens=12"]
-    train(load_config(config, base + ["parallel.cp=2", "trainer.total_steps=2"]))
-    train(load_config(config, base + ["parallel.cp=1", "trainer.total_steps=3", "trainer.resume=true"]))
-    if dist.get_rank() == 0:
-        return {"rows": [json.loads(x) for x in (root / "run/metrics.jsonl").read_text().splitlines()]}
-    return {}
+    base = overrides + ["trainer.save_interval=1", "trainer.eval_interval=0", "data.max_prompt_len=32",
+                        "rollout.max_new_tokens=12"]
+    train_run(config, base + ["parallel.cp=2"], root / "run", 2)
+    train_run(config, base + ["parallel.cp=1"], root / "run", 3, resume=True)
+    return {"rows": metrics_rows(root / "run")}
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--config", required=True)
-    p.add_argument("--root", required=True)
-    p.add_argument("overrides", nargs="*")
-    a = p.parse_args()
-    cfg = load_config(a.config, a.overrides)
-    hf_config, _ = load_hf_config_and_tokenizer(cfg.model.hf_path)
-    res = {f"tp{tp}_pp{pp}_cp{cp}": run_layout(cfg, hf_config, tp, pp, cp) for tp, pp, cp in LAYOUTS}
-    res["chunked"] = chunked_views(cfg, hf_config)
-    res["loop"] = rl_loop_cp2_then_resume_cp1(a.config, a.overrides, Path(a.root))
-    if dist.get_rank() == 0:
-        Path(a.out).write_text(json.dumps(res))
-    dist.barrier()
+    a = parse_args(config=True)
+    hf_config, _ = load_hf_config_and_tokenizer(a.cfg.model.hf_path)
+    res = {f"tp{tp}_pp{pp}_cp{cp}": run_layout(a.cfg, hf_config, tp, pp, cp) for tp, pp, cp in LAYOUTS}
+    res["chunked"] = chunked_views(a.cfg, hf_config)
+    res["loop"] = rl_loop_cp2_then_resume_cp1(a.config, a.overrides, a.root)
+    finish(a.out, res)
 
 
 if __name__ == "__main__":

@@ -1,18 +1,16 @@
 """Worker: megatron-core GPTModel trained 2 steps under several TP/PP/DP layouts on gloo.
 
 Run by tests/distributed/test_cpu_runtime.py under torchrun with 4 ranks. The TP=1 x PP=1
-(DP=4) model is initialised, saved as a torch_dist checkpoint, and every other layout loads it,
+(DP=4) model is initialised, saved as a torch_dist checkpoint (--root/ckpt), and every other layout loads it,
 so all layouts start from the same weights and see the same global batch. Writes per-layout
 losses and grad norms to --out.
 """
-
-import argparse
-import json
 
 import torch
 import torch.distributed as dist
 
 from megarl.parallel.distributed import ParallelSizes, device, init_distributed
+from tests.distributed.harness import finish, parse_args
 
 VOCAB, SEQ, GLOBAL_BATCH, MICRO = 96, 12, 8, 1
 
@@ -87,10 +85,8 @@ def train(ddp, opt, steps=2):
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--ckpt", required=True)
-    args = p.parse_args()
+    args = parse_args()
+    ckpt = str(args.root / "ckpt")
     from megatron.core import dist_checkpointing
 
     results = {}
@@ -98,16 +94,13 @@ def main():
         init_distributed(ParallelSizes(tp=tp, pp=pp), seed=7)
         ddp, opt = build(tp, pp)
         if (tp, pp) == (1, 1):
-            dist_checkpointing.save(ddp.module.sharded_state_dict(), args.ckpt)
+            dist_checkpointing.save(ddp.module.sharded_state_dict(), ckpt)
         else:
-            state = dist_checkpointing.load(ddp.module.sharded_state_dict(), args.ckpt)
+            state = dist_checkpointing.load(ddp.module.sharded_state_dict(), ckpt)
             ddp.module.load_state_dict(state)
         dist.barrier()
         results[f"tp{tp}_pp{pp}"] = dict(zip(["losses", "grad_norms"], train(ddp, opt)))
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump(results, f)
-    dist.barrier()
+    finish(args.out, results)
 
 
 if __name__ == "__main__":

@@ -17,19 +17,16 @@ Reports, on a held-out batch: the explained variance, and per position the mean 
 of the values against the returns and the mean |value|.
 """
 
-import argparse
-import json
 import random
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from megarl.config import load_config
 from megarl.parallel.distributed import init_distributed
 from megarl.trainer import build, rl
 from megarl.trainer.batch import StepBatch, Trajectory
 from megarl.trainer.build import load_hf_config_and_tokenizer
+from tests.distributed.harness import finish, parse_args
 
 A_TOKEN, B_TOKEN = 40, 41
 
@@ -61,13 +58,8 @@ def prepare(critic, batch: StepBatch, cfg, dp_group) -> StepBatch:
 def main():
     from megatron.core import parallel_state as ps
 
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--config", required=True)
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("overrides", nargs="*")
-    a = p.parse_args()
-    cfg = load_config(a.config, a.overrides)
+    a = parse_args(config=True, steps=40)
+    cfg = a.cfg
     init_distributed(cfg.parallel, seed=cfg.trainer.seed)
     hf_config, _ = load_hf_config_and_tokenizer(cfg.model.hf_path)
     actor = build.build_actor(cfg, hf_config)
@@ -90,10 +82,8 @@ def main():
         "mse_later": float(err[:, 1:][m[:, 1:]].mean()),
         "returns_token0": held_out.returns[:, 0].tolist(), "scores": held_out.score.tolist(),
     }
-    res.update(critic_from_policy_checkpoint(cfg, hf_config, actor, Path(a.out).parent / "policy"))
-    if dist.get_rank() == 0:
-        Path(a.out).write_text(json.dumps(res))
-    dist.barrier()
+    res.update(critic_from_policy_checkpoint(cfg, hf_config, actor, a.root / "policy"))
+    finish(a.out, res)
 
 
 def critic_from_policy_checkpoint(cfg, hf_config, actor, path: Path) -> dict:

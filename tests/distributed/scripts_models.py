@@ -12,8 +12,6 @@ Sections (results keyed in the JSON that rank 0 writes):
 - optim: one Adam step at TP=1 and TP=2 on the same global batch; updated HF tensors compared.
 """
 
-import argparse
-import json
 from pathlib import Path
 
 import torch
@@ -25,26 +23,15 @@ from safetensors.torch import load_file
 from megarl.models import build_model, megatron_forward_logits
 from megarl.parallel.distributed import ParallelSizes, device, init_distributed
 from megarl.weights import (
-    load_checkpoint_hf_config, load_hf_weights, load_megatron_checkpoint, read_checkpoint_meta,
-    save_megatron_checkpoint, stream_hf_weights)
+    load_checkpoint_hf_config, load_megatron_checkpoint, read_checkpoint_meta,
+    save_megatron_checkpoint)
 from megarl.weights.dist_ckpt import padded_vocab_for
-from tests.distributed.scripts_models_common import FAMILIES, hf_logits, make_tiny_hf, tiny_config
+from tests.distributed.harness import finish, on_rank0, parse_args
+from tests.distributed.scripts_models_common import (
+    FAMILIES, check_layout, hf_logits, loaded, logits_vs, make_tiny_hf, max_abs, roundtrip, streamed, tiny_config)
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 SEQ, BATCH = 12, 2
-
-
-def roundtrip(model, cfg, original: dict) -> dict:
-    got, buckets = {}, 0
-    for bucket in stream_hf_weights(model, cfg, bucket_bytes=16 << 10):
-        buckets += 1
-        for name, t in bucket:
-            got[name] = t.cpu()
-    same_keys = set(got) == set(original)
-    exact = same_keys and all(torch.equal(got[k], original[k]) for k in original)
-    ok = torch.tensor([int(exact)], device=device())
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank received the full stream
-    return {"exact_all_ranks": bool(ok.item()), "keys": len(got), "buckets": buckets}
 
 
 def megatron_loss(model, ids: torch.Tensor) -> torch.Tensor:
@@ -60,16 +47,13 @@ def megatron_loss(model, ids: torch.Tensor) -> torch.Tensor:
 
 def critic_check(work: Path, ids: torch.Tensor, layout: str, rank: int) -> dict:
     cfg = tiny_config("qwen2")
-    critic = build_model(cfg, value_head=True, seed=5)
-    load_hf_weights(critic, work / "qwen2")  # lm_head.weight ignored, score.weight absent
+    critic = loaded(cfg, work / "qwen2", value_head=True, seed=5)  # lm_head.weight ignored, score.weight absent
     values = megatron_forward_logits(critic, ids)
-    tensors = {n: t.cpu() for b in stream_hf_weights(critic, cfg) for n, t in b}
+    tensors = streamed(critic, cfg)
     base = transformers.AutoModel.from_pretrained(work / "qwen2", dtype=torch.float32)
     with torch.no_grad():
         ref = base(ids).last_hidden_state @ tensors["score.weight"].T
-    out = {"shape": list(values.shape), "max_abs_diff": float((values - ref).abs().max()),
-           "ref_std": float(ref.std()), "has_lm_head": "lm_head.weight" in tensors,
-           "n_keys": len(tensors)}
+    out = {**logits_vs(values, ref), "has_lm_head": "lm_head.weight" in tensors, "n_keys": len(tensors)}
     if layout == "tp2_pp1":
         save_megatron_checkpoint(critic, work / "ckpt_critic", cfg)
         if rank == 0:
@@ -80,7 +64,7 @@ def critic_check(work: Path, ids: torch.Tensor, layout: str, rank: int) -> dict:
         load_megatron_checkpoint(fresh, work / "ckpt_critic")
         reloaded = megatron_forward_logits(fresh, ids)
         saved = torch.load(work / "critic_values.pt", weights_only=True) if rank == 0 else reloaded
-        out["reloaded_vs_saved"] = float((reloaded - saved).abs().max())
+        out["reloaded_vs_saved"] = max_abs(reloaded, saved)
     return out
 
 
@@ -93,8 +77,7 @@ def optimizer_step(hf_dir: Path, cfg, batch: torch.Tensor) -> dict:
 
     from megarl.models.forward import causal_mask
 
-    chunks = build_model(cfg)
-    load_hf_weights(chunks, hf_dir)
+    chunks = loaded(cfg, hf_dir)
     config = chunks[0].config
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=True),
                                   chunks[0])
@@ -117,22 +100,15 @@ def optimizer_step(hf_dir: Path, cfg, batch: torch.Tensor) -> dict:
     get_forward_backward_func()(forward_step_func=step, data_iterator=iter([local]), model=[ddp],
                                 num_microbatches=1, seq_length=SEQ - 1, micro_batch_size=local.shape[0])
     ok, grad_norm, _ = opt.step()
-    tensors = {n: t.cpu() for b in stream_hf_weights([ddp], cfg) for n, t in b}
-    return {"tensors": tensors, "grad_norm": float(grad_norm), "ok": bool(ok)}
+    return {"tensors": streamed([ddp], cfg), "grad_norm": float(grad_norm), "ok": bool(ok)}
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--work", required=True)
-    args = p.parse_args()
-    work = Path(args.work)
+    args = parse_args()
+    work = args.root
     init_distributed(ParallelSizes(1, 1), seed=3)
     rank = dist.get_rank()
-    if rank == 0:
-        for i, fam in enumerate(FAMILIES):
-            make_tiny_hf(fam, work / fam, seed=i)
-    dist.barrier()
+    on_rank0(lambda: [make_tiny_hf(fam, work / fam, seed=i) for i, fam in enumerate(FAMILIES)])
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 130, (BATCH, SEQ), generator=gen)
     refs = {fam: hf_logits(work / fam, ids) for fam in FAMILIES}
@@ -145,20 +121,15 @@ def main():
         layout = f"tp{tp}_pp{pp}"
         for fam in FAMILIES:
             cfg = tiny_config(fam)
-            model = build_model(cfg)
-            load_hf_weights(model, work / fam)
-            out = megatron_forward_logits(model, ids)
-            res["logits"][fam][layout] = {
-                "max_abs_diff": float((out - refs[fam]).abs().max()), "shape": list(out.shape),
-                "ref_std": float(refs[fam].std())}
-            res["roundtrip"][fam][layout] = roundtrip(model, cfg, originals[fam])
+            model, out, res["logits"][fam][layout], res["roundtrip"][fam][layout] = check_layout(
+                cfg, work / fam, lambda m: megatron_forward_logits(m, ids), refs[fam], originals[fam], 16 << 10)
             if pp == 1:
                 ref_nll = F.cross_entropy(refs[fam][:, :-1].flatten(0, 1), ids[:, 1:].flatten(),
                                           reduction="none").view(BATCH, SEQ - 1)
-                res["loss"][fam][layout] = float((megatron_loss(model, ids) - ref_nll).abs().max())
+                res["loss"][fam][layout] = max_abs(megatron_loss(model, ids), ref_nll)
             if (tp, pp) == (2, 1) and fam in ("qwen2", "llama_tied"):
                 save_megatron_checkpoint(model, work / f"ckpt_{fam}", cfg, hf_source_dir=work / fam)
-                res["ckpt"][fam] = {"saved_logits_diff": float((out - refs[fam]).abs().max())}
+                res["ckpt"][fam] = {"saved_logits_diff": max_abs(out, refs[fam])}
                 torch.save(out, work / f"ckpt_{fam}_logits.pt") if rank == 0 else None
         res["critic"][layout] = critic_check(work, ids, layout, rank)
 
@@ -171,10 +142,8 @@ def main():
         load_megatron_checkpoint(model, ckpt)
         out = megatron_forward_logits(model, ids)
         saved = torch.load(work / f"ckpt_{fam}_logits.pt", weights_only=True) if rank == 0 else out
-        res["ckpt"][fam].update(
-            loaded_vs_saved=float((out - saved).abs().max()),
-            loaded_vs_hf=float((out - refs[fam]).abs().max()),
-            roundtrip=roundtrip(model, cfg, originals[fam]), meta=meta)
+        res["ckpt"][fam].update(loaded_vs_saved=max_abs(out, saved), loaded_vs_hf=max_abs(out, refs[fam]),
+                                roundtrip=roundtrip(model, cfg, originals[fam], 16 << 10), meta=meta)
 
     batch = torch.randint(0, 150, (4, SEQ), generator=gen)
     cfg = tiny_config("qwen2")
@@ -185,14 +154,12 @@ def main():
     a, b, orig = steps[1]["tensors"], steps[2]["tensors"], originals["qwen2"]
     res["optim"] = {
         "keys_equal": set(a) == set(b) == set(orig),
-        "max_update_diff": max(float((a[k] - b[k]).abs().max()) for k in a),
-        "min_update_size": min(float((a[k] - orig[k]).abs().max()) for k in a),
+        "max_update_diff": max(max_abs(a[k], b[k]) for k in a),
+        "min_update_size": min(max_abs(a[k], orig[k]) for k in a),
         "grad_norms": [steps[1]["grad_norm"], steps[2]["grad_norm"]],
         "ok": [steps[1]["ok"], steps[2]["ok"]],
     }
-    if rank == 0:
-        Path(args.out).write_text(json.dumps(res))
-    dist.barrier()
+    finish(args.out, res)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ Sections (rank 0 writes the JSON):
   rank; its sampling log-probs vs the actor's recomputed ones, and its layer-0 routing vs HF's.
 """
 
-import argparse
 import json
 from pathlib import Path
 
@@ -19,11 +18,13 @@ import transformers
 from safetensors.torch import load_file
 
 from megarl.models import build_model, megatron_forward_logits
-from megarl.parallel.distributed import ParallelSizes, device, init_distributed
-from megarl.weights import (
-    load_hf_weights, load_megatron_checkpoint, save_hf_checkpoint, save_megatron_checkpoint, stream_hf_weights)
+from megarl.parallel.distributed import ParallelSizes, init_distributed
+from megarl.weights import load_megatron_checkpoint, save_hf_checkpoint, save_megatron_checkpoint, stream_hf_weights
 from megarl.weights.dist_ckpt import load_checkpoint_hf_config
-from tests.distributed.scripts_weight_stream import PROMPTS, actor_logprobs, perturb, tee
+from tests.distributed.harness import finish, from_rank0, on_rank0, parse_args
+from tests.distributed.scripts_models_common import (
+    check_layout, hf_logits, max_abs, max_logprob_diff, perturb, roundtrip, save_random, tee)
+from tests.distributed.scripts_weight_stream import PROMPTS, actor_logprobs
 
 # (tp, pp, ep, etp): EP2 alone, TP2 x EP2 (expert-TP 2 and 1), PP2 x EP2
 LAYOUTS = [(1, 1, 1, None), (1, 1, 2, None), (2, 1, 2, None), (2, 1, 2, 1), (1, 2, 2, None)]
@@ -47,28 +48,8 @@ def tiny_moe_config(family: str, **overrides):
 
 def make_tiny_moe(family: str, path, seed: int = 0, **overrides) -> Path:
     cfg = tiny_moe_config(family, **overrides)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0.0, 0.15 if p.dim() > 1 else 0.1)
-    model.save_pretrained(path)
+    save_random(lambda: transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32), path, seed)
     return Path(path)
-
-
-def roundtrip(model, cfg, original: dict) -> dict:
-    got, buckets = {}, 0
-    for bucket in stream_hf_weights(model, cfg, bucket_bytes=32 << 10):
-        buckets += 1
-        for name, t in bucket:
-            got[name] = t.cpu().clone()
-    exact = set(got) == set(original) and all(torch.equal(got[k], original[k]) for k in original)
-    ok = torch.tensor([int(exact)], device=device())
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    return {"exact_all_ranks": bool(ok.item()), "keys": len(got), "buckets": buckets}
 
 
 def layer0_topk(model_chunks, ids) -> torch.Tensor:
@@ -102,10 +83,8 @@ def stream_to_engine(model, cfg, hf_dir: Path) -> dict:
     engine = BuiltinEngine.from_pretrained(hf_dir, tokenizer=None)
     streamed: dict = {}
     engine.update_weights(tee(stream_hf_weights(model, cfg, bucket_bytes=32 << 10), streamed))
-    sampled = engine.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=7))
-    obj = [sampled]
-    dist.broadcast_object_list(obj, src=0)  # every rank recomputes rank 0's samples
-    sampled = obj[0]
+    # every rank recomputes rank 0's samples
+    sampled = from_rank0(engine.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=7)))
     recomputed = actor_logprobs(model, sampled)
     # the engine's MoE block against HF's on the streamed weights (layer-0 routing, same ids)
     out_dir = hf_dir.parent / f"streamed_{hf_dir.name}_rank{dist.get_rank()}"
@@ -116,39 +95,28 @@ def stream_to_engine(model, cfg, hf_dir: Path) -> dict:
     hf.model.layers[0].mlp.gate.register_forward_hook(lambda m, a, out: seen.append(out[2].sort(1).values))
     engine.model.model.layers[0].mlp.routing_log = log = []
     with torch.no_grad():
-        hf_logits = hf(ids).logits[0, -1]
+        hf_out = hf(ids).logits[0, -1]
         from megarl.rollout.torch_model import KVCache
 
         cache = KVCache.allocate(engine.args, 1, ids.shape[1], torch.float32, torch.device("cpu"))
         mask = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool).tril()[None, None]
         eng_logits = engine.model(ids, torch.arange(ids.shape[1])[None], cache, 0, mask)[0]
     engine.model.model.layers[0].mlp.routing_log = None
-    return {"logprob_max_abs_diff": max(abs(a - b) for x, r in zip(sampled, recomputed)
-                                        for a, b in zip(x.logprobs, r)),
+    return {"logprob_max_abs_diff": max_logprob_diff(sampled, recomputed),
             "n_sampled_tokens": sum(len(x.response_ids) for x in sampled),
-            "engine_vs_hf_logits": float((eng_logits - hf_logits).abs().max()),
+            "engine_vs_hf_logits": max_abs(eng_logits, hf_out),
             "routing_equal_hf": bool(torch.equal(log[0], seen[0]))}
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--work", required=True)
-    args = p.parse_args()
-    work = Path(args.work)
+    a = parse_args()
+    work = a.root
     init_distributed(ParallelSizes(), seed=3)
     rank = dist.get_rank()
-    if rank == 0:
-        for i, fam in enumerate(FAMILIES):
-            make_tiny_moe(fam, work / fam, seed=i)
-    dist.barrier()
+    on_rank0(lambda: [make_tiny_moe(fam, work / fam, seed=i) for i, fam in enumerate(FAMILIES)])
     ids = torch.randint(0, 151, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
-    refs, originals = {}, {}
-    for fam in FAMILIES:
-        hf = transformers.AutoModelForCausalLM.from_pretrained(work / fam, dtype=torch.float32)
-        with torch.no_grad():
-            refs[fam] = hf(ids).logits.float()
-        originals[fam] = load_file(work / fam / "model.safetensors")
+    refs = {fam: hf_logits(work / fam, ids) for fam in FAMILIES}
+    originals = {fam: load_file(work / fam / "model.safetensors") for fam in FAMILIES}
     res = {"logits": {f: {} for f in FAMILIES}, "roundtrip": {f: {} for f in FAMILIES}, "ckpt": {},
            "routing": {}, "engine": {}}
     for tp, pp, ep, etp in LAYOUTS:
@@ -156,19 +124,15 @@ def main():
         layout = f"tp{tp}_pp{pp}_ep{ep}" + (f"_etp{etp}" if etp else "")
         for fam in FAMILIES:
             cfg = tiny_moe_config(fam)
-            model = build_model(cfg)
-            load_hf_weights(model, work / fam)
-            out = megatron_forward_logits(model, ids)
-            res["logits"][fam][layout] = {"max_abs_diff": float((out - refs[fam]).abs().max()),
-                                          "shape": list(out.shape), "ref_std": float(refs[fam].std())}
-            res["roundtrip"][fam][layout] = roundtrip(model, cfg, originals[fam])
+            model, out, res["logits"][fam][layout], res["roundtrip"][fam][layout] = check_layout(
+                cfg, work / fam, lambda m: megatron_forward_logits(m, ids), refs[fam], originals[fam], 32 << 10)
             if (tp, pp, ep) == (1, 1, 1):
                 mine, theirs = layer0_topk(model, ids), hf_layer0_topk(work / fam, ids)
                 res["routing"][fam] = {"agree": float((mine == theirs).all(1).float().mean()),
                                        "experts_used": int(mine.unique().numel())}
             if (tp, pp, ep, etp) == (1, 1, 2, None):
                 save_megatron_checkpoint(model, work / f"ckpt_{fam}", cfg, hf_source_dir=work / fam)
-                res["ckpt"][fam] = {"saved_vs_hf": float((out - refs[fam]).abs().max())}
+                res["ckpt"][fam] = {"saved_vs_hf": max_abs(out, refs[fam])}
                 if rank == 0:
                     torch.save(out, work / f"ckpt_{fam}_logits.pt")
             if (tp, pp, ep, etp) == (2, 1, 2, None):
@@ -183,13 +147,10 @@ def main():
         load_megatron_checkpoint(model, ckpt)
         out = megatron_forward_logits(model, ids)
         saved = torch.load(work / f"ckpt_{fam}_logits.pt", weights_only=True)
-        res["ckpt"][fam].update(loaded_vs_saved=float((out - saved).abs().max()),
-                                loaded_vs_hf=float((out - refs[fam]).abs().max()),
-                                roundtrip=roundtrip(model, cfg, originals[fam]),
+        res["ckpt"][fam].update(loaded_vs_saved=max_abs(out, saved), loaded_vs_hf=max_abs(out, refs[fam]),
+                                roundtrip=roundtrip(model, cfg, originals[fam], 32 << 10),
                                 saved_ep=json.loads((ckpt / "megarl_model.json").read_text())["saved_ep"])
-    if rank == 0:
-        Path(args.out).write_text(json.dumps(res))
-    dist.barrier()
+    finish(a.out, res)
 
 
 if __name__ == "__main__":

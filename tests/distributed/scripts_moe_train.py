@@ -13,8 +13,6 @@ Sections (rank 0 writes the JSON):
   routing replay.
 """
 
-import argparse
-import json
 import time
 from pathlib import Path
 
@@ -27,6 +25,9 @@ from megarl.trainer import rl
 from megarl.trainer.batch import StepBatch, Trajectory
 from megarl.trainer.train_model import TrainModel
 from tests.distributed import scripts_cp
+from tests.distributed.harness import (
+    GRPO_STEP, dp_update, finish, metrics_rows, on_rank0, parse_args, train_model, train_run)
+from tests.distributed.scripts_models_common import streamed
 from tests.distributed.scripts_moe import make_tiny_moe, tiny_moe_config
 
 START = time.time()
@@ -39,30 +40,9 @@ def packed_batch(vocab: int, cfg) -> StepBatch:
 
 
 def actor(cfg, hf_config, path, tp: int, ep: int, pp: int = 1, cp: int = 1, **kw) -> TrainModel:
-    from megarl.weights import load_hf_weights
-
     init_distributed(ParallelSizes(tp=tp, ep=ep, pp=pp, cp=cp), seed=3)
     options = {"sequence_parallel": tp > 1, **kw.pop("model_options", {})}
-    model = TrainModel(hf_config, cfg.actor, dtype="fp32", model_options=options, logprob_chunk_tokens=5, **kw)
-    load_hf_weights(model.chunks, path)
-    model.optimizer.reload_model_params()
-    return model
-
-
-def update(model, cfg, batch: StepBatch, seed: int) -> dict:
-    from megatron.core import parallel_state as ps
-
-    dp_rank, dp_size, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
-    rows, mbs = rl.local_minibatches(rl.split_minibatches(batch, len(batch), seed, dp_rank, dp_size))
-    local = batch.select(rows)
-    return rl.update(model, local, mbs, lambda c: rl.actor_loss_fn(cfg, c, 1.0), dp, local.loss_mask)
-
-
-def streamed(model, hf_config) -> dict:
-    from megarl.weights import stream_hf_weights
-
-    return {name: t.detach().cpu().clone() for bucket in stream_hf_weights(model.modules, hf_config)
-            for name, t in bucket}
+    return train_model(hf_config, cfg.actor, path, model_options=options, logprob_chunk_tokens=5, **kw)
 
 
 def run_layout(cfg, hf_config, path, tp, ep, before: dict | None) -> tuple[dict, dict]:
@@ -71,9 +51,9 @@ def run_layout(cfg, hf_config, path, tp, ep, before: dict | None) -> tuple[dict,
     batch.old_logprobs = rl.compute_log_probs(model, batch, 1.0)
     out = {"old_logprobs": batch.old_logprobs.tolist(), "microbatches": len(model.microbatches(batch))}
     batch.old_logprobs = batch.old_logprobs + 0.3 * torch.sin(torch.arange(batch.width)) * batch.response_mask
-    metrics = [update(model, cfg, batch, step) for step in range(2)]
+    metrics = [dp_update(model, cfg, batch, step) for step in range(2)]
     out.update(losses=[m["actor/pg_loss"] for m in metrics], grad_norms=[m["actor/grad_norm"] for m in metrics])
-    weights = streamed(model, hf_config)
+    weights = streamed(model.modules, hf_config)
     if before is not None:
         out["weights_max_rel_diff"] = max(float((weights[k] - v).abs().max() / v.abs().max().clamp(min=1e-12))
                                           for k, v in before.items())
@@ -83,11 +63,11 @@ def run_layout(cfg, hf_config, path, tp, ep, before: dict | None) -> tuple[dict,
 
 def freeze_router(cfg, hf_config, path) -> dict:
     model = actor(cfg, hf_config, path, 1, 2, freeze_router=True)
-    before = streamed(model, hf_config)
+    before = streamed(model.modules, hf_config)
     batch = packed_batch(hf_config.vocab_size, cfg)
     batch.old_logprobs = rl.compute_log_probs(model, batch, 1.0) + 0.2 * batch.response_mask
-    m = update(model, cfg, batch, 0)
-    after = streamed(model, hf_config)
+    m = dp_update(model, cfg, batch, 0)
+    after = streamed(model.modules, hf_config)
     gate = [k for k in before if k.endswith("mlp.gate.weight")]
     experts = [k for k in before if ".mlp.experts." in k]
     return {"gates": len(gate), "gates_identical": all(torch.equal(before[k], after[k]) for k in gate),
@@ -109,7 +89,7 @@ def aux_loss(cfg, hf_config, path) -> dict:
         batch = packed_batch(hf_config.vocab_size, cfg)
         batch.old_logprobs = rl.compute_log_probs(model, batch, 1.0)
         batch.old_logprobs = batch.old_logprobs + 0.3 * torch.sin(torch.arange(batch.width)) * batch.response_mask
-        out[kind] = update(model, cfg, batch, 0)["actor/grad_norm"]
+        out[kind] = dp_update(model, cfg, batch, 0)["actor/grad_norm"]
     return out
 
 
@@ -121,10 +101,11 @@ def dense_sequence_parallel(cfg, root: Path) -> dict:
     hf_config = transformers.Qwen2Config(vocab_size=151, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                          tie_word_embeddings=False)
-    if dist.get_rank() == 0:
+    def save():
         torch.manual_seed(1)
         transformers.AutoModelForCausalLM.from_config(hf_config).save_pretrained(path)
-    dist.barrier()
+
+    on_rank0(save)
     out = {}
     for tp in (1, 2):
         model = actor(cfg, hf_config, path, tp, 1)
@@ -132,7 +113,7 @@ def dense_sequence_parallel(cfg, root: Path) -> dict:
         batch = packed_batch(hf_config.vocab_size, cfg)
         batch.old_logprobs = rl.compute_log_probs(model, batch, 1.0)
         batch.old_logprobs = batch.old_logprobs + 0.3 * torch.sin(torch.arange(batch.width)) * batch.response_mask
-        m = [update(model, cfg, batch, step) for step in range(2)]
+        m = [dp_update(model, cfg, batch, step) for step in range(2)]
         out[f"tp{tp}"] = {"losses": [x["actor/pg_loss"] for x in m], "grad_norms": [x["actor/grad_norm"] for x in m]}
     return out
 
@@ -218,7 +199,7 @@ def replay_case(cfg, hf_config, path, batch: StepBatch, tp, ep, replay: bool, pe
         batch.old_logprobs = rl.compute_log_probs(model, batch, 1.0) + 0.2 * batch.response_mask
         batch.advantages = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(4))
         batch.advantages *= batch.response_mask
-        m = update(model, cfg, batch, 0)
+        m = dp_update(model, cfg, batch, 0)
         out.update(loss=m["actor/pg_loss"], grad_norm=m["actor/grad_norm"])
     return out
 
@@ -226,43 +207,31 @@ def replay_case(cfg, hf_config, path, batch: StepBatch, tp, ep, replay: bool, pe
 def rl_loop(root: Path) -> dict:
     from megarl.tasks.arith import write_task_files
     from megarl.tasks.tiny_model import TinyModelSpec, save_tiny_model
-    from megarl.trainer.loop import train
 
-    if dist.get_rank() == 0:
+    def files():
         save_tiny_model(root / "loop_model", TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=96,
                                                            family="qwen3_moe", num_experts=4, moe_topk=2,
                                                            moe_intermediate=32, initializer_range=0.2))
         write_task_files(root / "task", n_sft=4, n_train=16, n_eval=4, seed=0)
-    dist.barrier()
+
+    on_rank0(files)
     overrides = [
         f"data.train_path={root / 'task' / 'train.jsonl'}", "data.prompt_template=arith",
-        "rollout.n_samples_per_prompt=2", "rollout.prompts_per_step=4", "algorithm.mini_batch_size=8",
-        "reward.sources={arith: math}", f"model.hf_path={root / 'loop_model'}", "model.dtype=fp32",
-        "model.transformer_impl=local", "model.sequence_parallel=true", "data.max_prompt_len=32",
-        "rollout.max_new_tokens=6", "actor.max_tokens_per_microbatch=128", "actor.lr_warmup_steps=0",
-        "parallel.tp=2", "parallel.ep=2", "parallel.nodes=1", "parallel.gpus_per_node=4",
-        "algorithm.routing_replay=true", "algorithm.dynamic_sampling=false", "algorithm.kl_coef=0.0",
-        "critic.enable=false", "algorithm.advantage=grpo", f"trainer.run_dir={root / 'run'}",
-        "trainer.total_steps=1", "trainer.save_interval=0", "trainer.eval_interval=0", "data.eval=[]",
+        "reward.sources={arith: math}", f"model.hf_path={root / 'loop_model'}", "data.max_prompt_len=32",
+        "actor.max_tokens_per_microbatch=128", "parallel.ep=2", "parallel.gpus_per_node=4",
+        "algorithm.routing_replay=true", *GRPO_STEP,
     ]
-    train(load_config(None, overrides))
-    if dist.get_rank() == 0:
-        return {"rows": [json.loads(x) for x in (root / "run/metrics.jsonl").read_text().splitlines()]}
-    return {}
+    train_run(None, overrides, root / "run", 1)
+    return {"rows": metrics_rows(root / "run")}
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--root", required=True)
-    a = p.parse_args()
-    root = Path(a.root)
+    a = parse_args()
+    root = a.root
     path = root / "qwen3_moe"
     if not dist.is_initialized():
         init_distributed(ParallelSizes(), seed=3)
-    if dist.get_rank() == 0:
-        make_tiny_moe("qwen3_moe", path, seed=0)
-    dist.barrier()
+    on_rank0(make_tiny_moe, "qwen3_moe", path, seed=0)
     cfg = load_config(None, ["actor.lr=1e-3", "actor.lr_warmup_steps=0", "actor.clip_grad=0.05",
                              "actor.max_tokens_per_microbatch=40", "algorithm.entropy_coef=0.01",
                              "data.max_prompt_len=16", "rollout.max_new_tokens=16"])
@@ -297,9 +266,7 @@ def main():
     t = time.time()
     res["loop"] = rl_loop(root)
     res["seconds"]["loop"] = time.time() - t
-    if dist.get_rank() == 0:
-        Path(a.out).write_text(json.dumps(res))
-    dist.barrier()
+    finish(a.out, res)
 
 
 if __name__ == "__main__":

@@ -9,9 +9,7 @@ each offload the device bytes its weights still hold; an exception ends the case
 (every rank runs the same code, so every rank raises it).
 """
 
-import argparse
 import dataclasses
-import json
 import random
 
 import torch
@@ -23,6 +21,7 @@ from megarl.trainer.batch import StepBatch, Trajectory
 from megarl.trainer.build import load_hf_config_and_tokenizer
 from megarl.trainer.train_model import TrainModel
 from megarl.weights import load_hf_weights
+from tests.distributed.harness import finish, parse_args, train_model
 
 CASES = {  # name -> (model dtype, OptimConfig fields)
     "hybrid_bf16": ("bf16", {"use_distributed_optimizer": True, "offload_optimizer": True}),
@@ -75,13 +74,7 @@ def optimizer_param_storage(model) -> dict:
 def run_case(model_dir: str, hf_config, dtype: str, fields: dict, steps: int = 3) -> dict:
     optim = dataclasses.replace(OptimConfig(lr=1e-2, weight_decay=0.0, clip_grad=1.0, max_tokens_per_microbatch=32),
                                 **fields)
-    models = []
-    for _ in range(2):
-        m = TrainModel(hf_config, optim, dtype=dtype, total_steps=10, seed=0)
-        load_hf_weights(m.chunks, model_dir)
-        m.optimizer.reload_model_params()
-        models.append(m)
-    offloaded, twin = models
+    offloaded, twin = (train_model(hf_config, optim, model_dir, dtype=dtype, total_steps=10, seed=0) for _ in range(2))
     res = {"twin_diff": [], "forward_moved": [], "device_bytes_offloaded": [], "roundtrip_equal": [],
            "device_bytes_before": host_offload.device_bytes(weights(offloaded)), "optimizer_params": [],
            "error": None}
@@ -141,24 +134,20 @@ def model_checks() -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--cases", default=",".join(CASES))
-    args = ap.parse_args()
+    args = parse_args(cases=",".join(CASES))
+    model = str(args.root / "model")
     init_distributed(ParallelSizes(), seed=0, timeout_s=300)
     host_offload.enable()
-    hf_config, _ = load_hf_config_and_tokenizer(args.model)
-    res = {name: run_case(args.model, hf_config, *CASES[name]) for name in args.cases.split(",") if name}
-    res["reference"] = reference_case(args.model, hf_config)
+    hf_config, _ = load_hf_config_and_tokenizer(model)
+    res = {name: run_case(model, hf_config, *CASES[name]) for name in args.cases.split(",") if name}
+    res["reference"] = reference_case(model, hf_config)
     try:
         TrainModel(hf_config, OptimConfig(offload_optimizer=True), dtype="fp32")
         res["hybrid_fp32_refused"] = None
     except ValueError as e:
         res["hybrid_fp32_refused"] = str(e)
     res["model"] = model_checks()
-    if torch.distributed.get_rank() == 0:
-        json.dump(res, open(args.out, "w"))
+    finish(args.out, res)
 
 
 if __name__ == "__main__":

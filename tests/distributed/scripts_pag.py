@@ -9,15 +9,14 @@ is wrong", revision "Answer: <n>"), so that its sampled trajectories take all th
 2. loop: `megarl.trainer.loop.train` runs 2 PAG steps -> the metrics.jsonl rows.
 """
 
-import argparse
 import json
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from megarl.config import load_config
 from megarl.parallel.distributed import init_distributed
+from tests.distributed.harness import finish, metrics_rows, on_rank0, parse_args
+
 
 def write_sft_rows(path: Path, verify: str, revise: str, n: int = 96) -> None:
     from megarl.data.templates import apply_template
@@ -65,19 +64,11 @@ def case_components(cfg) -> dict:
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--root", required=True)
-    p.add_argument("--config", required=True)
-    p.add_argument("overrides", nargs="*")
-    a = p.parse_args()
-    root = Path(a.root)
-    cfg = load_config(a.config, a.overrides)
+    a = parse_args(config=True)
+    root, cfg = a.root, a.cfg
     g = cfg.algorithm.pag
     init_distributed(cfg.parallel, seed=cfg.trainer.seed)
-    if dist.get_rank() == 0:
-        write_sft_rows(Path(cfg.sft.data_path), g.verify_instruction, g.revise_instruction)
-    dist.barrier()
+    on_rank0(write_sft_rows, Path(cfg.sft.data_path), g.verify_instruction, g.revise_instruction)
 
     from megarl.trainer.loop import train
     from megarl.trainer.sft import sft
@@ -86,10 +77,8 @@ def main():
     res = {"components": case_components(cfg), "instructions": [g.verify_instruction, g.revise_instruction]}
     cfg.trainer.run_dir = str(root / "loop")
     train(cfg)
-    if dist.get_rank() == 0:
-        res["loop"] = [json.loads(x) for x in (root / "loop" / "metrics.jsonl").read_text().splitlines()]
-        Path(a.out).write_text(json.dumps(res))
-    dist.barrier()
+    res["loop"] = metrics_rows(root / "loop")
+    finish(a.out, res)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,6 @@
 the tiny model on 2 gloo ranks (DP=2), runs a few RL steps; plus runs with a custom reward and a
 custom advantage estimator named by dotted path. Writes each run's metrics rows."""
 
-import argparse
 import glob
 import json
 import os
@@ -16,6 +15,7 @@ from megarl.config import load_config
 from megarl.parallel.distributed import device
 from megarl.rewards import RewardOutput
 from megarl.trainer.loop import train
+from tests.distributed.harness import finish, metrics_rows, parse_args
 
 REPO = Path(__file__).resolve().parents[2]
 CALLS = {"reward": 0, "advantage": 0}
@@ -72,16 +72,24 @@ PRESET_EXTRA = {
                             "actor.max_tokens_per_microbatch=128", "critic.max_tokens_per_microbatch=128"],
     # the code PRM's labelling and dense rewards need a code task and a trained PRM: tests/distributed/test_prm.py
     "algorithms/code_prm.yaml": ["prm.dense_reward=false", "prm.init_critic=false"],
+    # ReTool: the response budget (turns and interpreter outputs) of the tiny run, not the paper's 16384
+    "algorithms/retool.yaml": ["rollout.tools.max_response_tokens=null"],
 }
+
+
+# sigmoid-routed MoE families (configs/models/*.json model_type) -> the tiny model of their family
+SIGMOID_MOE_MODELS = {"deepseek_v3": "deepseek_model", "kimi_k2": "deepseek_model", "glm4_moe": "glm_model"}
 
 
 def moe_extra(config: str, root: Path) -> list[str]:
     """A recipe of an MoE model (configs/models/<model.name>.json has experts, in its text_config
-    for a vision-language model) runs on the tiny Qwen3-MoE (root/moe_model) with its experts split
-    over the 2 ranks (EP=2)."""
+    for a vision-language model) runs on the tiny Qwen3-MoE (root/moe_model), a DeepSeek-V3 / Kimi-K2
+    / GLM-4.5 recipe on the tiny model of its family, with the experts split over the 2 ranks (EP=2)."""
     name = load_config(config).model.name
     path = REPO / "configs" / "models" / f"{name}.json"
     hf = json.loads(path.read_text()) if name and path.exists() else {}
+    if hf.get("model_type") in SIGMOID_MOE_MODELS:
+        return [f"model.hf_path={root / SIGMOID_MOE_MODELS[hf['model_type']]}", "parallel.ep=2"]
     if not (hf.get("num_experts") or (hf.get("text_config") or {}).get("num_experts")):
         return []
     return [f"model.hf_path={root / 'moe_model'}", "parallel.ep=2"]
@@ -107,15 +115,12 @@ def run(name: str, config: str, overrides: list[str], root: Path) -> list[dict]:
                                            f"algorithm.value_pretrain_steps={min(cfg.algorithm.value_pretrain_steps, 1)}"])
     train(cfg)
     dist.barrier()
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()] if dist.get_rank() == 0 else []
+    return metrics_rows(run_dir)
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--root", required=True)
-    a = p.parse_args()
-    root = Path(a.root)
+    a = parse_args()
+    root = a.root
     base = scaled_down(root)
     res = {}
     for name, (config,) in presets().items():
@@ -133,9 +138,7 @@ def main():
     calls = torch.tensor([plugins.CALLS["reward"], plugins.CALLS["advantage"]], dtype=torch.float64, device=device())
     dist.all_reduce(calls)
     res["calls"] = {"reward": calls[0].item(), "advantage": calls[1].item()}
-    if dist.get_rank() == 0:
-        Path(a.out).write_text(json.dumps(res))
-    dist.barrier()
+    finish(a.out, res)
 
 
 if __name__ == "__main__":

@@ -7,25 +7,18 @@ actor), and the PRM as the RL loop's PrmScorer; their values and the scorer's de
 batch of reference responses are reported.
 """
 
-import argparse
 import json
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from megarl.config import load_config
 from megarl.parallel.distributed import init_distributed
+from tests.distributed.harness import finish, parse_args
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--config", required=True)
-    p.add_argument("--sft-steps", type=int, default=40)
-    p.add_argument("overrides", nargs="*")
-    a = p.parse_args()
-    cfg = load_config(a.config, a.overrides)
+    a = parse_args(config=True, sft_steps=40)
+    cfg = a.cfg
     init_distributed(cfg.parallel, seed=cfg.trainer.seed)
 
     from megarl.trainer import build, rl
@@ -72,9 +65,7 @@ def main():
         "prm_values": prm_values.tolist(), "dense": dense.tolist(), "newline_ids": sorted(scorer.newline_ids),
         "scorer_with_dense_reward": with_dense, "scorer_without_dense_reward": without_dense,
     }
-    if dist.get_rank() == 0:
-        Path(a.out).write_text(json.dumps(res))
-    dist.barrier()
+    finish(a.out, res)
 
 
 if __name__ == "__main__":

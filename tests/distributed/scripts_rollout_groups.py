@@ -6,10 +6,6 @@ engines are builtin engines on identical weights, so both ranks of a pair genera
 samples from the same share, as an SGLang group would return its owner's samples to every rank.
 """
 
-import argparse
-import json
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
 
@@ -18,6 +14,7 @@ from megarl.data.dataset import PromptItem
 from megarl.rollout import BuiltinEngine, SamplingParams
 from megarl.trainer.build import build_rewards, engine_group, load_hf_config_and_tokenizer
 from megarl.trainer.generation import RolloutWorker
+from tests.distributed.harness import finish, gather, parse_args
 
 
 class RecordingEngine(BuiltinEngine):
@@ -31,20 +28,17 @@ class RecordingEngine(BuiltinEngine):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--model", required=True)
-    a = p.parse_args()
+    a = parse_args()
+    model = str(a.root / "model")
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
     group = engine_group(2)
     members = dist.get_process_group_ranks(group)
 
     from transformers import AutoModelForCausalLM
 
-    hf_config, tok = load_hf_config_and_tokenizer(a.model)
+    hf_config, tok = load_hf_config_and_tokenizer(model)
     engine = RecordingEngine(config=hf_config, tokenizer=tok)
-    engine.update_weights([list(AutoModelForCausalLM.from_pretrained(a.model).state_dict().items())])
+    engine.update_weights([list(AutoModelForCausalLM.from_pretrained(model).state_dict().items())])
     cfg = load_config(None, ["reward.sources={arith: math}", "algorithm.overlong_penalty=false"])
     items = [PromptItem(uid=f"u{i}", prompt=f"{i}+{i}", answer=str(2 * i), data_source="arith") for i in range(6)]
     encoded = [tok.encode(f"Q: {it.prompt}=?\n") for it in items]
@@ -56,10 +50,7 @@ def main() -> None:
         out[f"uids_{per_engine}"] = [t.uid for t in trajs]
         out[f"scored_{per_engine}"] = worker.metrics.get("reward/count", -1.0)
         out[f"asked_{per_engine}"] = sorted(tok.decode(q) for q in engine.asked)
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, out)
-    if rank == 0:
-        Path(a.out).write_text(json.dumps(parts))
+    finish(a.out, gather(out))
     dist.destroy_process_group()
 
 

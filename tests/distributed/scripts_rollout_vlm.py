@@ -13,79 +13,36 @@ change every weight (as training would), stream its HF-named tensors (vision tow
   scores the first response token differently.
 """
 
-import argparse
-import json
-import zlib
-from pathlib import Path
-
 import torch
-import torch.distributed as dist
-import transformers
 
-from megarl.models import build_model
 from megarl.models.vision.forward import vlm_forward_logits
 from megarl.parallel.distributed import ParallelSizes, init_distributed
 from megarl.rollout.builtin import BuiltinEngine
 from megarl.rollout.types import SamplingParams
-from megarl.weights import load_hf_weights, stream_hf_weights
-from tests.distributed.scripts_vlm_common import IMAGE, make_prompt, make_tiny_vlm
+from megarl.weights import stream_hf_weights
+from tests.distributed.harness import finish, from_rank0, parse_args
+from tests.distributed.scripts_models_common import (
+    loaded, max_logprob_diff, padded_rows, perturb, response_logprobs, tee)
+from tests.distributed.scripts_vlm_common import IMAGE, make_prompt, shared_tiny_vlm
 
 MAX_NEW = 6
-
-
-@torch.no_grad()
-def perturb(model) -> None:
-    """Deterministic multiplicative noise, the same per name on every TP rank (replicated
-    parameters stay identical across TP ranks)."""
-    for name, p in model.named_parameters():
-        gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-        p.mul_(1 + 0.2 * torch.randn(p.shape, generator=gen).to(p.device))
-
-
-def tee(stream, sink: dict, counter: list):
-    for bucket in stream:
-        counter.append(len(bucket))
-        for name, t in bucket:
-            sink[name] = t.cpu().clone()
-        yield bucket
 
 
 def megatron_logprobs(model, samples, images) -> list[list[float]]:
     """Log-probs of each sample's response tokens under the Megatron model: one row per sample
     (prompt + response, right-padded with token 0), the rows' images concatenated in row order."""
-    seqs = [s.prompt_ids + s.response_ids for s in samples]
-    width = max(len(s) for s in seqs)
-    ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
     rows = [images[s.index] for s in samples if images[s.index] is not None]
     pv = torch.cat([r["pixel_values"] for r in rows]) if rows else None
     grid = torch.cat([r["image_grid_thw"] for r in rows]) if rows else None
-    logp = torch.log_softmax(vlm_forward_logits(model, ids, pv, grid), dim=-1)
-    out = []
-    for row, s in enumerate(samples):
-        p = len(s.prompt_ids)
-        pos = torch.arange(p - 1, p - 1 + len(s.response_ids))
-        out.append(logp[row, pos, torch.tensor(s.response_ids)].tolist())
-    return out
-
-
-def max_diff(samples, ref) -> float:
-    return max(abs(a - b) for s, r in zip(samples, ref) for a, b in zip(s.logprobs, r))
+    return response_logprobs(vlm_forward_logits(model, padded_rows(samples), pv, grid), samples)
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--work", required=True)
-    args = p.parse_args()
-    work = Path(args.work)
+    a = parse_args()
     init_distributed(ParallelSizes(tp=2, pp=1), seed=11)
-    hf_dir = work / "hf"
-    if dist.get_rank() == 0:
-        make_tiny_vlm(hf_dir, seed=3)
-    dist.barrier()
-    cfg = transformers.AutoConfig.from_pretrained(hf_dir)
-    model = build_model(cfg)
-    load_hf_weights(model, hf_dir)
+    hf_dir = a.root / "hf"
+    cfg = shared_tiny_vlm(hf_dir)
+    model = loaded(cfg, hf_dir)
     perturb(model[0])
 
     made = [make_prompt([(20, 37)], 1), make_prompt([(48, 40), (9, 9)], 2), make_prompt([], 3)]
@@ -100,13 +57,10 @@ def main():
            "weight_version": engine.weight_version}
     for mode, sampling in (("sampled", SamplingParams(n=2, temperature=1.0, max_new_tokens=MAX_NEW, seed=7)),
                            ("greedy", SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW))):
-        samples = engine.generate(prompts, sampling, images=images)
-        obj = [samples]
-        dist.broadcast_object_list(obj, src=0)  # every rank recomputes rank 0's samples
-        samples = obj[0]
+        samples = from_rank0(engine.generate(prompts, sampling, images=images))  # every rank recomputes them
         assert not any(IMAGE in s.response_ids for s in samples)  # placeholders only in the prompts
         ref = megatron_logprobs(model, samples, images)
-        res[mode] = {"logprob_max_abs_diff": max_diff(samples, ref),
+        res[mode] = {"logprob_max_abs_diff": max_logprob_diff(samples, ref),
                      "n_tokens": sum(len(s.response_ids) for s in samples),
                      "with_images": sum(images[s.index] is not None for s in samples),
                      "responses": [s.response_ids for s in samples]}
@@ -123,9 +77,7 @@ def main():
     full = engine.generate(prompts[:2], one, images=images[:2])
     res["stale_vision_first_logprob_diff"] = max(
         abs(a.logprobs[0] - b.logprobs[0]) + float(a.response_ids != b.response_ids) for a, b in zip(lm_only, full))
-    if dist.get_rank() == 0:
-        Path(args.out).write_text(json.dumps(res))
-    dist.barrier()
+    finish(a.out, res)
 
 
 if __name__ == "__main__":

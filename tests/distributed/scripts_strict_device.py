@@ -1,17 +1,17 @@
-"""Worker for tests/distributed/test_strict_device.py: one process under strict device mode.
+"""Worker for tests/distributed/test_strict_device.py: one process under strict device mode, the
+tiny model at --root/model.
 
 Each case runs a piece of code the way a GPU run would see it and records the error (or None).
 """
 
-import json
 import random
-import sys
 
 import torch
 import torch.distributed as dist
 
 from megarl.parallel import cpu_runtime, strict_device
 from megarl.parallel.distributed import ParallelSizes, device, init_distributed
+from tests.distributed.harness import finish, parse_args, train_model
 
 
 def error_of(fn) -> str | None:
@@ -57,7 +57,7 @@ def entropy_and_whitening(cfg, batch, dp) -> dict:
             "whitened_mean": mean, "whitened_var": var}
 
 
-def main(model_dir: str, out: str) -> None:
+def main(root, out: str) -> None:
     from megatron.core import parallel_state as ps
 
     from megarl.config import load_config
@@ -66,17 +66,16 @@ def main(model_dir: str, out: str) -> None:
     from megarl.trainer.build import load_hf_config_and_tokenizer
     from megarl.models.attention import thd_params
     from megarl.trainer.train_model import TrainModel
-    from megarl.weights import load_hf_weights, stream_hf_weights
+    from megarl.weights import stream_hf_weights
 
+    model_dir = str(root / "model")
     cpu_runtime.activate(strict=True)
     init_distributed(ParallelSizes(), seed=0)
     cfg = load_config("configs/algorithms/ppo.yaml", [
         f"model.hf_path={model_dir}", "model.dtype=fp32", "actor.max_tokens_per_microbatch=64",
         "rollout.max_new_tokens=12", "data.max_prompt_len=32"])
     hf_config, _ = load_hf_config_and_tokenizer(model_dir)
-    model = TrainModel(hf_config, cfg.actor, dtype="fp32")
-    load_hf_weights(model.chunks, model_dir)
-    model.optimizer.reload_model_params()
+    model = train_model(hf_config, cfg.actor, model_dir)
     rng = random.Random(0)
     trajs = []
     for i in range(4):
@@ -116,8 +115,9 @@ def main(model_dir: str, out: str) -> None:
     fp16 = TrainModel(hf_config, cfg.actor, dtype="fp16")
     res["fp16_scales_loss"] = fp16.config.grad_scale_func == fp16.optimizer.scale_loss
     res["fp16_loss_scale"] = float(fp16.optimizer.get_loss_scale())
-    json.dump(res, open(out, "w"))
+    finish(out, res)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    args = parse_args()
+    main(args.root, args.out)

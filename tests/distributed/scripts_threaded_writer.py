@@ -1,10 +1,7 @@
 """Worker for tests/distributed/test_threaded_writer.py (2 gloo ranks): megatron's torch_dist save
 with megarl's threaded writer while os.fork raises, then a load of what it wrote."""
 
-import argparse
-import json
 import os
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -13,6 +10,7 @@ from megatron.core.dist_checkpointing import ShardedTensor
 
 from megarl.parallel.distributed import ParallelSizes, init_distributed
 from megarl.weights.threaded_writer import use_threaded_writers
+from tests.distributed.harness import finish, gather, on_rank0, parse_args
 
 
 def state(rank: int, world: int, fill=None) -> dict:
@@ -25,11 +23,7 @@ def state(rank: int, world: int, fill=None) -> dict:
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--root", required=True)
-    p.add_argument("--threaded", type=int, default=1)
-    a = p.parse_args()
+    a = parse_args(threaded=1)
     init_distributed(ParallelSizes(tp=1), seed=0)  # gloo + the CPU runtime, as the trainer runs
     rank, world = dist.get_rank(), dist.get_world_size()
     if a.threaded:
@@ -39,10 +33,8 @@ def main():
         raise AssertionError("the checkpoint writer forked")
 
     os.fork = no_fork
-    ckpt = Path(a.root) / "ckpt"
-    if rank == 0:
-        ckpt.mkdir()
-    dist.barrier()
+    ckpt = a.root / "ckpt"
+    on_rank0(ckpt.mkdir)
     res = {}
     try:
         dist_checkpointing.save(state(rank, world), str(ckpt))
@@ -53,10 +45,7 @@ def main():
         res["files"] = sorted(x.name for x in ckpt.iterdir())
     except Exception as e:  # noqa: BLE001 - reported to the test
         res["error"] = f"{type(e).__name__}: {e}"[:500]
-    outs = [None] * world
-    dist.all_gather_object(outs, res)
-    if rank == 0:
-        Path(a.out).write_text(json.dumps(outs))
+    finish(a.out, gather(res))
     dist.destroy_process_group()
 
 

@@ -8,14 +8,11 @@
    checkpoint (read back with torch.load(weights_only=True)).
 """
 
-import argparse
-import json
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from megarl.config import load_config
 from megarl.parallel.distributed import ParallelSizes, init_distributed
 from megarl.rollout import SamplingParams
 from megarl.rollout.builtin import BuiltinEngine
@@ -23,6 +20,7 @@ from megarl.trainer import checkpoint, rl
 from megarl.trainer.batch import StepBatch, Trajectory
 from megarl.trainer.build import load_hf_config_and_tokenizer
 from megarl.trainer.train_model import TrainModel
+from tests.distributed.harness import dp_share, finish, metrics_rows, parse_args, train_run
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2)]
 
@@ -48,9 +46,7 @@ def case_mismatch(cfg, hf_config) -> dict:
         model = TrainModel(hf_config, cfg.actor, dtype="fp32")
         load_hf_weights(model.chunks, cfg.model.hf_path)
         batch = engine_batch(cfg.model.hf_path, cfg.rollout.temperature)
-        rows, _ = rl.local_minibatches(rl.split_minibatches(
-            batch, len(batch), 0, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()))
-        local = batch.select(rows)
+        local = batch.select(dp_share(batch)[0])
         local.old_logprobs = rl.compute_log_probs(model, local, cfg.rollout.temperature)
         out[f"tp{tp}_pp{pp}"] = {**rl.logprob_mismatch(local, ps.get_data_parallel_group()),
                                  "tokens": int(batch.response_mask.sum())}
@@ -58,38 +54,22 @@ def case_mismatch(cfg, hf_config) -> dict:
 
 
 def case_tppo(cfg_path: str, overrides: list[str], root: Path) -> dict:
-    from megarl.trainer.loop import train
-
-    def run(run_dir, steps, resume):
-        cfg = load_config(cfg_path, overrides + [f"trainer.run_dir={run_dir}", f"trainer.total_steps={steps}",
-                                                 f"trainer.resume={str(resume).lower()}"])
-        train(cfg)
-
-    run(root / "straight", 4, False)
-    run(root / "resumed", 2, False)
+    train_run(cfg_path, overrides, root / "straight", 4)
+    train_run(cfg_path, overrides, root / "resumed", 2)
     state = torch.load(checkpoint.read_latest(root / "resumed") / "trainer_state.pt", weights_only=True)
-    run(root / "resumed", 4, True)
+    train_run(cfg_path, overrides, root / "resumed", 4, resume=True)
     if dist.get_rank() != 0:
         return {}
-    read = lambda p: [json.loads(x) for x in (p / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
-    return {"straight": read(root / "straight"), "resumed": read(root / "resumed"),
+    return {"straight": metrics_rows(root / "straight"), "resumed": metrics_rows(root / "resumed"),
             "checkpoint_step": state["step"], "in_flight": state["in_flight"]}
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--root", required=True)
-    p.add_argument("--config", required=True)
-    p.add_argument("overrides", nargs="*")
-    a = p.parse_args()
-    cfg = load_config(a.config, a.overrides)
-    hf_config, _ = load_hf_config_and_tokenizer(cfg.model.hf_path)
-    res = {"mismatch": case_mismatch(cfg, hf_config)}
-    res["tppo"] = case_tppo(a.config, a.overrides, Path(a.root))
-    if dist.get_rank() == 0:
-        Path(a.out).write_text(json.dumps(res))
-    dist.barrier()
+    a = parse_args(config=True)
+    hf_config, _ = load_hf_config_and_tokenizer(a.cfg.model.hf_path)
+    res = {"mismatch": case_mismatch(a.cfg, hf_config)}
+    res["tppo"] = case_tppo(a.config, a.overrides, a.root)
+    finish(a.out, res)
 
 
 if __name__ == "__main__":

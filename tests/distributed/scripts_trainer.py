@@ -8,22 +8,18 @@
    checkpoint, which loads.
 """
 
-import argparse
-import json
 import random
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from megarl.config import load_config
 from megarl.parallel.distributed import ParallelSizes, init_distributed
 from megarl.trainer import checkpoint, rl
 from megarl.trainer.batch import StepBatch, Trajectory
 from megarl.trainer.build import load_hf_config_and_tokenizer
 from megarl.trainer.train_model import TrainModel
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.distributed.harness import dp_update, finish, metrics_rows, parse_args, train_model, train_run
 
 
 def fixed_batch(vocab: int, cfg, n: int = 8) -> StepBatch:
@@ -44,31 +40,17 @@ def fixed_batch(vocab: int, cfg, n: int = 8) -> StepBatch:
 
 
 def train_two_steps(model, cfg, batch) -> tuple[list[float], list[float]]:
-    from megatron.core import parallel_state as ps
-
-    losses, norms = [], []
-    for step in range(2):
-        rows, mbs = rl.local_minibatches(rl.split_minibatches(
-            batch, len(batch), step, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()))
-        local = batch.select(rows)
-        m = rl.update(model, local, mbs, lambda c: rl.actor_loss_fn(cfg, c, 1.0), ps.get_data_parallel_group(),
-                       local.loss_mask)
-        losses.append(m["actor/pg_loss"])
-        norms.append(m["actor/grad_norm"])
-    return losses, norms
+    metrics = [dp_update(model, cfg, batch, step) for step in range(2)]
+    return [m["actor/pg_loss"] for m in metrics], [m["actor/grad_norm"] for m in metrics]
 
 
 def case_layouts(cfg, hf_config) -> dict:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megarl.weights import load_hf_weights
-
     out = {}
     for tp, pp in [(1, 1), (2, 1), (1, 2)]:
         init_distributed(ParallelSizes(tp=tp, pp=pp), seed=3)
-        model = TrainModel(hf_config, cfg.actor, dtype="fp32")
-        load_hf_weights(model.chunks, cfg.model.hf_path)
-        model.optimizer.reload_model_params()
+        model = train_model(hf_config, cfg.actor, cfg.model.hf_path)
         batch = fixed_batch(hf_config.vocab_size, cfg)
         batch.old_logprobs = rl.compute_log_probs(model, batch, 1.0)
         # make the clip active on some tokens
@@ -80,20 +62,12 @@ def case_layouts(cfg, hf_config) -> dict:
 
 
 def case_resume(cfg_path: str, overrides: list[str], root: Path) -> dict:
-    from megarl.trainer.loop import train
-
-    def run(run_dir, steps, resume):
-        cfg = load_config(cfg_path, overrides + [f"trainer.run_dir={run_dir}", f"trainer.total_steps={steps}",
-                                                 f"trainer.resume={str(resume).lower()}"])
-        train(cfg)
-
-    run(root / "straight", 3, False)
-    run(root / "resumed", 2, False)
-    run(root / "resumed", 3, True)
-    if dist.get_rank() == 0:
-        read = lambda p: [json.loads(x) for x in (p / "metrics.jsonl").read_text().splitlines()]
-        return {"straight": read(root / "straight"), "resumed": read(root / "resumed")}
-    return {}
+    train_run(cfg_path, overrides, root / "straight", 3)
+    train_run(cfg_path, overrides, root / "resumed", 2)
+    train_run(cfg_path, overrides, root / "resumed", 3, resume=True)
+    if dist.get_rank() != 0:
+        return {}
+    return {"straight": metrics_rows(root / "straight"), "resumed": metrics_rows(root / "resumed")}
 
 
 def case_nan(cfg, hf_config, root: Path) -> dict:
@@ -116,21 +90,12 @@ def case_nan(cfg, hf_config, root: Path) -> dict:
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--root", required=True)
-    p.add_argument("--config", required=True)
-    p.add_argument("overrides", nargs="*")
-    a = p.parse_args()
-    root = Path(a.root)
-    cfg = load_config(a.config, a.overrides)
-    hf_config, _ = load_hf_config_and_tokenizer(cfg.model.hf_path)
-    res = {"layouts": case_layouts(cfg, hf_config)}
-    res["resume"] = case_resume(a.config, a.overrides, root)
-    res["nan"] = case_nan(cfg, hf_config, root)
-    if dist.get_rank() == 0:
-        Path(a.out).write_text(json.dumps(res))
-    dist.barrier()
+    a = parse_args(config=True)
+    hf_config, _ = load_hf_config_and_tokenizer(a.cfg.model.hf_path)
+    res = {"layouts": case_layouts(a.cfg, hf_config)}
+    res["resume"] = case_resume(a.config, a.overrides, a.root)
+    res["nan"] = case_nan(a.cfg, hf_config, a.root)
+    finish(a.out, res)
 
 
 if __name__ == "__main__":

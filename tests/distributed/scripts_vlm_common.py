@@ -6,6 +6,7 @@ windowed with 2x2 merged tokens a window), hidden 32, 2 heads, patch 4, merge 2;
 hidden 64, GQA 4/2 heads, M-RoPE sections [2, 3, 3]. Images go through HF's own image processor
 (`Qwen2VLImageProcessorPil`, built locally), so pixel_values / image_grid_thw are what HF's
 processor produces. Weights are drawn with larger scales than HF's init, so logits are O(1).
+Also the gradient comparison both vision-language model scripts make (`megatron_grads`, `rel_diff`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import transformers
+
+from tests.distributed.harness import on_rank0
+from tests.distributed.scripts_models_common import save_random
 
 IMAGE, VSTART, VEND, VIDEO = 150, 152, 153, 151
 TEXT_VOCAB = 150  # text tokens are drawn from [0, 150)
@@ -39,16 +44,15 @@ def image_processor():
 
 
 def make_tiny_vlm(path: str | Path, seed: int = 0, tie: bool = False) -> Path:
-    torch.manual_seed(seed)
-    model = transformers.Qwen2_5_VLForConditionalGeneration(tiny_vlm_config(tie)).float()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or "ln_q" in name:
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0.0, 0.15 if p.dim() > 1 else 0.1)
-    model.save_pretrained(path)
+    save_random(lambda: transformers.Qwen2_5_VLForConditionalGeneration(tiny_vlm_config(tie)).float(), path, seed,
+                norm=lambda name: "norm" in name or "ln_q" in name)
     return Path(path)
+
+
+def shared_tiny_vlm(path: Path, seed: int = 3):
+    """`make_tiny_vlm` at path on rank 0 (the other ranks wait for it); its HF config, on every rank."""
+    on_rank0(make_tiny_vlm, path, seed=seed)
+    return transformers.AutoConfig.from_pretrained(path)
 
 
 def random_batch(seed: int, sizes=((20, 37), (48, 40), (9, 9), (33, 18)), rows: int = 2, extra_text: int = 5):
@@ -89,3 +93,50 @@ def make_prompt(sizes, seed: int):
     for n in (proc["image_grid_thw"].prod(-1) // 4).tolist():
         ids += [VSTART] + [IMAGE] * n + [VEND] + rng.integers(0, 150, 2).tolist()
     return ids, {"pixel_values": proc["pixel_values"], "image_grid_thw": proc["image_grid_thw"]}
+
+
+def log_likelihood(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """sum over rows and t of log softmax(logits[:, t])[ids[:, t + 1]]."""
+    return torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None].to(logits.device)).sum()
+
+
+def megatron_grads(model, cfg, batch) -> dict:
+    """HF-named gradients of `log_likelihood` of `batch` (random_batch's tuple) through the megatron
+    model (PP = 1, the rows packed with their M-RoPE ids; each weight is overwritten by its
+    gradient to stream it, so the model is spent afterwards)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    from megarl.models.attention import thd_params
+    from megarl.models.vision.forward import pack_rows
+    from megarl.models.vision.mrope import mrope_position_ids
+    from megarl.parallel.distributed import device
+    from megarl.weights import stream_hf_weights
+
+    ids, pv, grid, _ = batch
+    pos, _ = mrope_position_ids(ids, grid, IMAGE, 2)
+    row, pos, cu = pack_rows(ids, pos)
+    chunk = model[0]
+    out = chunk(row.to(device()), pos.to(device()), None, packed_seq_params=thd_params(torch.tensor(cu).to(device())),
+                pixel_values=pv.to(device()), image_grid_thw=grid)
+    logits = tensor_parallel.gather_from_tensor_model_parallel_region(out)[..., :160].reshape(*ids.shape, -1)
+    log_likelihood(logits, ids).backward()
+    config = chunk.config
+    with torch.no_grad():
+        for name, p in chunk.named_parameters():
+            if p.grad is None:  # an expert no token chose
+                p.grad = torch.zeros_like(p)
+            # megatron's finalize_model_grads: these see only this TP rank's tokens / heads
+            if (config.sequence_parallel and getattr(p, "sequence_parallel", False)) or (
+                    config.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)):
+                dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
+            p.copy_(p.grad)
+    return {n: t.cpu().clone() for b in stream_hf_weights(model, cfg) for n, t in b}
+
+
+def rel_diff(got: dict, ref: dict, visual: str) -> dict:
+    """The largest |got - ref| / |ref| over ref's tensors (and its name), the names missing from
+    got, how many tensors ref has and how many of them start with `visual` (the vision tower's)."""
+    worst = max(((float((got[n] - g).norm() / g.norm()), n) for n, g in ref.items() if n in got), default=(0.0, ""))
+    return {"max_rel": worst[0], "worst": worst[1], "missing": sorted(set(ref) - set(got))[:5], "n": len(ref),
+            "visual": sum(n.startswith(visual) for n in ref)}

@@ -23,16 +23,16 @@ Sections (results keyed in the JSON that rank 0 writes):
   and without the learned position table, so the comparisons above can see each.
 """
 
-import argparse
-import json
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import transformers
 from safetensors.torch import load_file, save_file
 
-from tests.distributed.scripts_vlm_common import IMAGE, VEND, VIDEO, VSTART
+from tests.distributed.harness import finish, on_rank0, parse_args
+from tests.distributed.scripts_models_common import check_layout, loaded, max_abs, save_random
+from tests.distributed.scripts_vlm_common import (
+    IMAGE, VEND, VIDEO, VSTART, log_likelihood, megatron_grads, random_batch, rel_diff)
 
 # (tp, pp, ep)
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 1, 2), (1, 2, 2)]
@@ -64,39 +64,12 @@ def to_released_expert_layout(path: Path) -> None:
 
 
 def make_tiny_vlm_moe(path, seed: int = 0) -> Path:
-    torch.manual_seed(seed)
-    model = transformers.Qwen3VLMoeForConditionalGeneration(tiny_vlm_moe_config()).float()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5) if name.endswith("weight") else p.normal_(0.0, 0.1)
-            else:
-                p.normal_(0.0, 0.15 if p.dim() > 1 else 0.1)
-    model.save_pretrained(path)
+    # norm biases (1-D) are drawn N(0, 0.1) like every other 1-D parameter
+    model = save_random(lambda: transformers.Qwen3VLMoeForConditionalGeneration(tiny_vlm_moe_config()).float(), path,
+                        seed, norm=lambda name: "norm" in name and name.endswith("weight"))
     to_released_expert_layout(Path(path))
     torch.save(model.state_dict(), Path(path).parent / f"{Path(path).name}_state.pt")
     return Path(path)
-
-
-def roundtrip(model, cfg, original: dict) -> dict:
-    from megarl.parallel.distributed import device
-    from megarl.weights import stream_hf_weights
-
-    got, buckets = {}, 0
-    for bucket in stream_hf_weights(model, cfg, bucket_bytes=16 << 10):
-        buckets += 1
-        for name, t in bucket:
-            got[name] = t.cpu().clone()
-    exact = set(got) == set(original) and all(torch.equal(got[k], original[k]) for k in original)
-    ok = torch.tensor([int(exact)], device=device())
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    return {"exact_all_ranks": bool(ok.item()), "keys": len(got), "buckets": buckets,
-            "missing": sorted(set(original) - set(got))[:5], "extra": sorted(set(got) - set(original))[:5]}
-
-
-def log_likelihood(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """sum over rows and t of log softmax(logits[:, t])[ids[:, t + 1]]."""
-    return torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None].to(logits.device)).sum()
 
 
 def hf_model(path: Path):
@@ -139,63 +112,15 @@ def hf_refs(path: Path, batch, text_ids) -> dict:
     return out
 
 
-def megatron_grads(model, cfg, batch) -> dict:
-    """HF-named gradients of `log_likelihood` through the megatron model (PP = 1; each weight is
-    overwritten by its gradient to stream it, so the model is spent afterwards)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
-
-    from megarl.models.vision.forward import pack_rows
-    from megarl.models.vision.mrope import mrope_position_ids
-    from megarl.parallel.distributed import device
-    from megarl.models.attention import thd_params
-    from megarl.weights import stream_hf_weights
-
-    ids, pv, grid, _ = batch
-    pos, _ = mrope_position_ids(ids, grid, IMAGE, 2)
-    row, pos, cu = pack_rows(ids, pos)
-    chunk = model[0]
-    chunk.train()
-    out = chunk(row.to(device()), pos.to(device()), None, packed_seq_params=thd_params(torch.tensor(cu).to(device())),
-                pixel_values=pv.to(device()), image_grid_thw=grid)
-    logits = tensor_parallel.gather_from_tensor_model_parallel_region(out)[..., :160].reshape(*ids.shape, -1)
-    log_likelihood(logits, ids).backward()
-    config = chunk.config
-    with torch.no_grad():
-        for name, p in chunk.named_parameters():
-            if p.grad is None:  # an expert no token chose
-                p.grad = torch.zeros_like(p)
-            # megatron's finalize_model_grads: these see only this TP rank's tokens / heads
-            if (config.sequence_parallel and getattr(p, "sequence_parallel", False)) or (
-                    config.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)):
-                dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
-            p.copy_(p.grad)
-    return {n: t.cpu().clone() for b in stream_hf_weights(model, cfg) for n, t in b}
-
-
-def rel_diff(got: dict, ref: dict) -> dict:
-    worst = max(((float((got[n] - g).norm() / g.norm()), n) for n, g in ref.items() if n in got), default=(0.0, ""))
-    return {"max_rel": worst[0], "worst": worst[1], "missing": sorted(set(ref) - set(got))[:5], "n": len(ref),
-            "visual": sum(n.startswith("model.visual.") for n in ref)}
-
-
 def main():
     from megarl.models import build_model, megatron_forward_logits
     from megarl.models.vision.forward import vlm_forward_logits
     from megarl.parallel.distributed import ParallelSizes, init_distributed
-    from megarl.weights import load_hf_weights
-    from tests.distributed.scripts_vlm_common import random_batch
 
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--work", required=True)
-    args = p.parse_args()
-    work = Path(args.work)
+    a = parse_args()
+    work = a.root
     init_distributed(ParallelSizes(), seed=3)
-    rank = dist.get_rank()
-    if rank == 0:
-        make_tiny_vlm_moe(work / "hf", seed=0)
-    dist.barrier()
+    on_rank0(make_tiny_vlm_moe, work / "hf", seed=0)
     hf_dir, batch = work / "hf", random_batch(0)
     ids, pv, grid, _ = batch
     text_ids = torch.randint(0, 150, (3, 11), generator=torch.Generator().manual_seed(1))
@@ -205,39 +130,36 @@ def main():
     res = {"logits": {}, "text_only": {}, "roundtrip": {}, "grads": {}, "grids": grid.tolist(),
            "seq": list(ids.shape), "n_image_tokens": int((ids == IMAGE).sum()), "ref_std": float(ref["logits"].std()),
            "hf_layout": all(torch.equal(saved[k], v) for k, v in hf_model(hf_dir).state_dict().items()),
-           "teeth": {k: float((ref[k] - ref["logits"]).abs().max())
+           "teeth": {k: max_abs(ref[k], ref["logits"])
                      for k in ("no_deepstack", "contiguous_mrope", "no_position_table")}}
     cfg = transformers.AutoConfig.from_pretrained(hf_dir)
+
+    def grads(model) -> dict:
+        model[0].train()
+        return rel_diff(megatron_grads(model, cfg, batch), ref["grads"], "model.visual.")
+
     for tp, pp, ep in LAYOUTS:
         init_distributed(ParallelSizes(tp=tp, pp=pp, ep=ep), seed=3)
         layout = f"tp{tp}_pp{pp}_ep{ep}"
-        model = build_model(cfg)
-        load_hf_weights(model, hf_dir)
-        out = vlm_forward_logits(model, ids, pv, grid)
-        res["logits"][layout] = {"max_abs_diff": float((out - ref["logits"]).abs().max()), "shape": list(out.shape)}
-        res["text_only"][layout] = float((megatron_forward_logits(model, text_ids) - ref["text"]).abs().max())
-        res["roundtrip"][layout] = roundtrip(model, cfg, original)
+        model, _, res["logits"][layout], res["roundtrip"][layout] = check_layout(
+            cfg, hf_dir, lambda m: vlm_forward_logits(m, ids, pv, grid), ref["logits"], original, 16 << 10)
+        res["text_only"][layout] = max_abs(megatron_forward_logits(model, text_ids), ref["text"])
         if (tp, pp, ep) == (1, 1, 1):
-            res["grads"][layout] = rel_diff(megatron_grads(model, cfg, batch), ref["grads"])
+            res["grads"][layout] = grads(model)
             # full activation recompute re-runs each layer in backward: DeepStack must be re-added
-            recompute = build_model(cfg, config_overrides=RECOMPUTE)
-            load_hf_weights(recompute, hf_dir)
-            res["grads"][layout + "_recompute"] = rel_diff(megatron_grads(recompute, cfg, batch), ref["grads"])
+            res["grads"][layout + "_recompute"] = grads(loaded(cfg, hf_dir, config_overrides=RECOMPUTE))
         if (tp, pp, ep) == (2, 1, 1):  # sequence parallelism: DeepStack rows of this rank's slice
-            sp = build_model(cfg, config_overrides={"sequence_parallel": True})
-            load_hf_weights(sp, hf_dir)
-            res["sp"] = float((vlm_forward_logits(sp, ids, pv, grid) - ref["logits"]).abs().max())
+            sp = loaded(cfg, hf_dir, config_overrides={"sequence_parallel": True})
+            res["sp"] = max_abs(vlm_forward_logits(sp, ids, pv, grid), ref["logits"])
             # megatron refuses to train MoE under TP without sequence parallelism
-            res["grads"][layout + "_sp"] = rel_diff(megatron_grads(sp, cfg, batch), ref["grads"])
+            res["grads"][layout + "_sp"] = grads(sp)
         if (tp, pp, ep) == (1, 2, 1):  # 3 DeepStack layers cannot all sit on a stage of 2 layers
             try:
                 build_model(tiny_vlm_moe_config(deepstack=(0, 1, 2)))
                 res["pp_error"] = ""
             except ValueError as e:
                 res["pp_error"] = str(e)
-    if rank == 0:
-        Path(args.out).write_text(json.dumps(res))
-    dist.barrier()
+    finish(a.out, res)
 
 
 if __name__ == "__main__":

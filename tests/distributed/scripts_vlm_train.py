@@ -15,24 +15,23 @@ A tiny random qwen2_5_vl (tests/distributed/scripts_vlm_common.py):
   large image: they are skipped, counted and named in the warning, the step trains on the rest.
 """
 
-import argparse
 import dataclasses
 import json
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import transformers
 
 from megarl.config import load_config
-from megarl.parallel.distributed import ParallelSizes, device, init_distributed
+from megarl.parallel.distributed import ParallelSizes, init_distributed
 from megarl.rollout.builtin import BuiltinEngine
 from megarl.rollout.types import PromptImages, SamplingParams
 from megarl.trainer import rl
 from megarl.trainer.batch import StepBatch, Trajectory
 from megarl.trainer.train_model import TrainModel
-from megarl.weights import load_hf_weights, stream_hf_weights
-from tests.distributed.scripts_vlm_common import IMAGE, make_prompt, make_tiny_vlm
+from tests.distributed.harness import (
+    GRPO_STEP, dp_update, finish, from_rank0, metrics_rows, on_rank0, parse_args, train_model, train_run)
+from tests.distributed.scripts_models_common import streamed
+from tests.distributed.scripts_vlm_common import IMAGE, make_prompt, shared_tiny_vlm
 
 
 def prompts():
@@ -43,11 +42,8 @@ def prompts():
 
 
 def model(cfg, hf_config, path, **kw) -> TrainModel:
-    m = TrainModel(hf_config, cfg.critic if kw.get("value_head") else cfg.actor, dtype="fp32",
-                   model_options={"sequence_parallel": True}, logprob_chunk_tokens=7, **kw)
-    load_hf_weights(m.chunks, path)
-    m.optimizer.reload_model_params()
-    return m
+    return train_model(hf_config, cfg.critic if kw.get("value_head") else cfg.actor, path,
+                       model_options={"sequence_parallel": True}, logprob_chunk_tokens=7, **kw)
 
 
 def trajectories(samples, images) -> list[Trajectory]:
@@ -62,18 +58,8 @@ def trajectories(samples, images) -> list[Trajectory]:
 
 
 def update(m: TrainModel, cfg, batch: StepBatch, critic: bool = False) -> dict:
-    from megatron.core import parallel_state as ps
-
     rl.set_masks(batch, cfg)
-    rows, mbs = rl.local_minibatches(rl.split_minibatches(batch, len(batch), 0, ps.get_data_parallel_rank(),
-                                                            ps.get_data_parallel_world_size()))
-    local = batch.select(rows)
-    loss = (lambda c: rl.critic_loss_fn(cfg, c)) if critic else (lambda c: rl.actor_loss_fn(cfg, c, 1.0))
-    return rl.update(m, local, mbs, loss, ps.get_data_parallel_group(), local.value_mask if critic else local.loss_mask)
-
-
-def streamed(m: TrainModel, hf_config) -> dict:
-    return {n: t.detach().cpu().clone() for b in stream_hf_weights(m.modules, hf_config) for n, t in b}
+    return dp_update(m, cfg, batch, critic=critic)
 
 
 def max_masked(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
@@ -93,17 +79,10 @@ def with_pixels(batch: StepBatch, fn) -> StepBatch:
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--work", required=True)
-    args = p.parse_args()
-    work = Path(args.work)
+    a = parse_args()
     init_distributed(ParallelSizes(tp=2, pp=1), seed=5)
-    hf_dir = work / "hf"
-    if dist.get_rank() == 0:
-        make_tiny_vlm(hf_dir, seed=3)
-    dist.barrier()
-    hf_config = transformers.AutoConfig.from_pretrained(hf_dir)
+    hf_dir = a.root / "hf"
+    hf_config = shared_tiny_vlm(hf_dir)
     cfg = load_config(None, ["actor.lr=1e-2", "actor.lr_warmup_steps=0", "critic.lr=1e-2", "critic.lr_warmup_steps=0",
                              "actor.max_tokens_per_microbatch=160", "critic.max_tokens_per_microbatch=160",
                              "algorithm.kl_coef=0.0", "algorithm.entropy_coef=0.0",
@@ -115,20 +94,18 @@ def main():
 
     # one actor update on engine trajectories with images, then stream, sample, compare
     actor = model(cfg, hf_config, hf_dir)
-    before = streamed(actor, hf_config)
+    before = streamed(actor.modules, hf_config)
     first = StepBatch.from_trajectories(trajectories(engine.generate(ids, sampling, images=images), images))
     first.old_logprobs = rl.compute_log_probs(actor, first, 1.0)
     res["pre_update_diff"] = max_masked(first.old_logprobs, first.rollout_logprobs, first.response_mask)
     first.advantages = torch.randn(first.response_mask.shape, generator=torch.Generator().manual_seed(1)) * first.response_mask
     res["update"] = update(actor, cfg, first)
-    after = streamed(actor, hf_config)
+    after = streamed(actor.modules, hf_config)
     res["visual_changed"] = sum(not torch.equal(before[k], after[k]) for k in before if k.startswith("visual."))
     res["n_visual"] = sum(k.startswith("visual.") for k in before)
     engine.update_weights([list(after.items())])
-    samples = engine.generate(ids, sampling, images=images)
-    obj = [samples]
-    dist.broadcast_object_list(obj, src=0)  # both ranks score rank 0's samples
-    batch = StepBatch.from_trajectories(trajectories(obj[0], images))
+    samples = from_rank0(engine.generate(ids, sampling, images=images))  # both ranks score rank 0's samples
+    batch = StepBatch.from_trajectories(trajectories(samples, images))
     res["microbatches"] = len(actor.microbatches(batch))
     res["rows_with_images"] = sum(im is not None for im in batch.images)
     # a random policy may emit the placeholder id: the trainer embeds it as text, as the engine does
@@ -146,11 +123,11 @@ def main():
 
     # freeze_vision: the tower stays as loaded, the LM trains
     frozen = model(cfg, hf_config, hf_dir, freeze_vision=True)
-    f0 = streamed(frozen, hf_config)
+    f0 = streamed(frozen.modules, hf_config)
     batch.old_logprobs = rl.compute_log_probs(frozen, batch, 1.0)
     batch.advantages = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(2)) * batch.response_mask
     res["frozen_update"] = update(frozen, cfg, batch)
-    f1 = streamed(frozen, hf_config)
+    f1 = streamed(frozen.modules, hf_config)
     res["frozen_visual_changed"] = sum(not torch.equal(f0[k], f1[k]) for k in f0 if k.startswith("visual."))
     res["frozen_lm_changed"] = sum(not torch.equal(f0[k], f1[k]) for k in f0 if not k.startswith("visual."))
     res["frozen_trainable_visual"] = sum(p.requires_grad for c in frozen.modules for n, p in c.named_parameters()
@@ -166,10 +143,8 @@ def main():
     res["critic_update"] = update(critic, cfg, batch, critic=True)
     moved = rl.compute_values(critic, batch)
     res["critic_values_moved"] = max_masked(moved, values, batch.response_mask)
-    res["rl_loop"] = rl_loop(work)
-    if dist.get_rank() == 0:
-        Path(args.out).write_text(json.dumps(res))
-    dist.barrier()
+    res["rl_loop"] = rl_loop(a.root)
+    finish(a.out, res)
 
 
 def rl_loop(root: Path) -> dict:
@@ -180,10 +155,10 @@ def rl_loop(root: Path) -> dict:
 
     from megarl.tasks.tiny_vlm import save_tiny_vlm
     from megarl.tasks.vlm_count import write_task_files
-    from megarl.trainer.loop import train
 
     task = root / "task"
-    if dist.get_rank() == 0:
+
+    def files():
         save_tiny_vlm(root / "tiny_vlm", seed=1)
         write_task_files(task, n_sft=2, n_train=8, n_eval=2, seed=0)
         Image.fromarray(np.zeros((256, 256, 3), dtype=np.uint8)).save(task / "images" / "huge.png")
@@ -192,27 +167,20 @@ def rl_loop(root: Path) -> dict:
                 "answer": "1", "data_source": "vlm_count"} for k in ("missing", "broken", "huge")]
         with (task / "train.jsonl").open("a") as f:
             f.write("".join(json.dumps(r) + "\n" for r in bad))
-    dist.barrier()
+
+    on_rank0(files)
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda r: records.append(r.getMessage())
     logging.getLogger("megarl.data").addHandler(handler)
     overrides = [
         f"data.train_path={task / 'train.jsonl'}", "data.prompt_template=raw", "data.max_prompt_len=96",
-        "data.max_image_tokens=40", "rollout.n_samples_per_prompt=2", "rollout.prompts_per_step=4",
-        "algorithm.mini_batch_size=8", "reward.sources={vlm_count: math}", f"model.hf_path={root / 'tiny_vlm'}",
-        "model.dtype=fp32", "model.transformer_impl=local", "model.sequence_parallel=true",
-        "rollout.max_new_tokens=6", "actor.max_tokens_per_microbatch=256", "actor.lr_warmup_steps=0",
-        "parallel.tp=2", "parallel.nodes=1", "parallel.gpus_per_node=2", "algorithm.dynamic_sampling=false",
-        "algorithm.kl_coef=0.0", "critic.enable=false", "algorithm.advantage=grpo", f"trainer.run_dir={root / 'run'}",
-        "trainer.total_steps=1", "trainer.save_interval=0", "trainer.eval_interval=0", "data.eval=[]",
+        "data.max_image_tokens=40", "reward.sources={vlm_count: math}", f"model.hf_path={root / 'tiny_vlm'}",
+        "actor.max_tokens_per_microbatch=256", "parallel.gpus_per_node=2", *GRPO_STEP,
     ]
-    train(load_config(None, overrides))
+    train_run(None, overrides, root / "run", 1)
     logging.getLogger("megarl.data").removeHandler(handler)
-    if dist.get_rank() != 0:
-        return {}
-    return {"rows": [json.loads(x) for x in (root / "run/metrics.jsonl").read_text().splitlines()],
-            "warnings": [r for r in records if "unusable images" in r]}
+    return {"rows": metrics_rows(root / "run"), "warnings": [r for r in records if "unusable images" in r]}
 
 
 if __name__ == "__main__":

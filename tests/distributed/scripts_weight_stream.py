@@ -8,52 +8,27 @@ For tiny random Qwen2 and Llama 3 models: build the Megatron actor from HF, chan
 - stream again to the TP-rank-0 ranks only (`receive=`) and check who got what.
 """
 
-import argparse
-import json
-import zlib
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import transformers
 
-from megarl.models import build_model, megatron_forward_logits
+from megarl.models import megatron_forward_logits
 from megarl.parallel.distributed import ParallelSizes, device, init_distributed
 from megarl.rollout.builtin import BuiltinEngine
 from megarl.rollout.types import SamplingParams
-from megarl.weights import load_hf_weights, stream_hf_weights
-from tests.distributed.scripts_models_common import make_tiny_hf, tiny_config
+from megarl.weights import stream_hf_weights
+from tests.distributed.harness import finish, from_rank0, on_rank0, parse_args
+from tests.distributed.scripts_models_common import (
+    loaded, make_tiny_hf, max_logprob_diff, padded_rows, perturb, response_logprobs, tee, tiny_config)
 
 PROMPTS = [[5, 17, 42, 8], [99, 3], [64, 65, 66, 67, 68, 2]]
 
 
-@torch.no_grad()
-def perturb(model) -> None:
-    """Deterministic multiplicative noise; the same per name on every TP rank, so replicated
-    parameters stay identical across TP ranks."""
-    for name, p in model.named_parameters():
-        gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-        p.mul_(1 + 0.2 * torch.randn(p.shape, generator=gen).to(p.device))
-
-
-def tee(stream, sink: dict):
-    for bucket in stream:
-        for name, t in bucket:
-            sink[name] = t.cpu()
-        yield bucket
-
-
 def actor_logprobs(model, samples) -> list[list[float]]:
-    seqs = [s.prompt_ids + s.response_ids for s in samples]
-    width = max(len(s) for s in seqs)
-    ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
-    logp = torch.log_softmax(megatron_forward_logits(model, ids), dim=-1)
-    out = []
-    for row, s in enumerate(samples):
-        start = len(s.prompt_ids)
-        pos = torch.arange(start - 1, start - 1 + len(s.response_ids))
-        out.append(logp[row, pos, torch.tensor(s.response_ids)].tolist())
-    return out
+    """The actor's log-probs of each sample's response tokens."""
+    return response_logprobs(megatron_forward_logits(model, padded_rows(samples)), samples)
 
 
 def hf_greedy(cfg, tensors: dict, eos: list[int], max_new: int) -> list[list[int]]:
@@ -72,20 +47,16 @@ def run_family(family: str, hf_dir: Path) -> dict:
     from megatron.core import parallel_state as ps
 
     cfg = tiny_config(family)
-    model = build_model(cfg)
-    load_hf_weights(model, hf_dir)
+    model = loaded(cfg, hf_dir)
     perturb(model[0])
     engine = BuiltinEngine.from_pretrained(hf_dir, tokenizer=None)
     streamed: dict = {}
     engine.update_weights(tee(stream_hf_weights(model, cfg, bucket_bytes=32 << 10), streamed))
     original = BuiltinEngine.from_pretrained(hf_dir, tokenizer=None)
 
-    sampled = engine.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=7))
-    obj = [sampled]
-    dist.broadcast_object_list(obj, src=0)  # every rank recomputes rank 0's samples
-    sampled = obj[0]
-    recomputed = actor_logprobs(model, sampled)
-    logprob_diff = max(abs(a - b) for s, r in zip(sampled, recomputed) for a, b in zip(s.logprobs, r))
+    # every rank recomputes rank 0's samples
+    sampled = from_rank0(engine.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=7)))
+    logprob_diff = max_logprob_diff(sampled, actor_logprobs(model, sampled))
     n_tokens = sum(len(s.response_ids) for s in sampled)
     # the same samples under the un-streamed (HF-file) weights differ: the stream changed them
     stale = original.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=7))
@@ -111,20 +82,10 @@ def run_family(family: str, hf_dir: Path) -> dict:
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--work", required=True)
-    args = p.parse_args()
-    work = Path(args.work)
+    a = parse_args()
     init_distributed(ParallelSizes(tp=2, pp=2), seed=11)
-    if dist.get_rank() == 0:
-        for i, fam in enumerate(("qwen2", "llama3")):
-            make_tiny_hf(fam, work / fam, seed=20 + i)
-    dist.barrier()
-    res = {fam: run_family(fam, work / fam) for fam in ("qwen2", "llama3")}
-    if dist.get_rank() == 0:
-        Path(args.out).write_text(json.dumps(res))
-    dist.barrier()
+    on_rank0(lambda: [make_tiny_hf(fam, a.root / fam, seed=20 + i) for i, fam in enumerate(("qwen2", "llama3"))])
+    finish(a.out, {fam: run_family(fam, a.root / fam) for fam in ("qwen2", "llama3")})
 
 
 if __name__ == "__main__":

@@ -6,20 +6,17 @@ finalised, the checkpoint holds the state of save time, and killed writers never
 
 import pytest
 
-from tests.distributed.launch import REPO, run_torchrun
+from tests.distributed.launch import run_worker, tiny_model
 
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
-    from megarl.tasks.tiny_model import TinyModelSpec, save_tiny_model
-
     root = tmp_path_factory.mktemp("async_ckpt")
-    save_tiny_model(root / "model", TinyModelSpec(layers=2, hidden=256, heads=4, kv_heads=2, intermediate=512, seed=0))
+    tiny_model(root / "model", hidden=256, intermediate=512)
     overrides = [f"model.hf_path={root / 'model'}", "model.dtype=fp32", "model.transformer_impl=local",
                  "actor.lr=1e-3", "actor.lr_warmup_steps=0", "actor.max_tokens_per_microbatch=64",
                  "rollout.max_new_tokens=16", "data.max_prompt_len=32"]
-    return run_torchrun(REPO / "tests/distributed/scripts_async_checkpoint.py", 2, ["--root", str(root), *overrides],
-                        root / "out.json", timeout=600)
+    return run_worker("scripts_async_checkpoint.py", 2, root, overrides=overrides)
 
 
 def test_latest_moves_only_after_the_async_writes_are_finalised(result):

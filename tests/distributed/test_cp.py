@@ -7,30 +7,20 @@ import math
 
 import pytest
 
-from tests.distributed.launch import REPO, run_torchrun
+from tests.distributed.launch import rl_files, rl_overrides, run_worker
 
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
-    from megarl.tasks.arith import write_task_files
-    from megarl.tasks.tiny_model import TinyModelSpec, save_tiny_model
-
-    root = tmp_path_factory.mktemp("cp")
-    save_tiny_model(root / "model", TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=96, seed=0))
-    write_task_files(root / "task", n_sft=10, n_train=64, n_eval=8, seed=0)
-    overrides = [
-        f"data.train_path={root / 'task' / 'train.jsonl'}", f"data.eval=[{root / 'task' / 'eval.jsonl'}]",
-        "data.prompt_template=arith", "rollout.n_samples_per_prompt=2", "rollout.prompts_per_step=4",
-        "algorithm.mini_batch_size=4", "eval.n_samples=1", "eval.max_new_tokens=12", "reward.sources={arith: math}",
-        f"model.hf_path={root / 'model'}", "model.dtype=fp32", "model.transformer_impl=local",
+    root = rl_files(tmp_path_factory.mktemp("cp"), intermediate=96)
+    overrides = rl_overrides(root) + [
+        "algorithm.mini_batch_size=4", "eval.n_samples=1", "eval.max_new_tokens=12",
         "data.max_prompt_len=9", "rollout.max_new_tokens=23",
         "actor.max_tokens_per_microbatch=64", "critic.max_tokens_per_microbatch=64",
         "actor.lr=1e-3", "critic.lr=1e-3", "actor.lr_warmup_steps=0", "critic.lr_warmup_steps=0",
         "algorithm.entropy_coef=0.01", "parallel.nodes=1", "parallel.gpus_per_node=4",
     ]
-    return run_torchrun(REPO / "tests/distributed/scripts_cp.py", 4,
-                        ["--root", str(root), "--config", str(REPO / "configs/algorithms/ppo.yaml"), *overrides],
-                        root / "out.json", timeout=900)
+    return run_worker("scripts_cp.py", 4, root, config="algorithms/ppo.yaml", overrides=overrides, timeout=900)
 
 
 def rel(a, b):

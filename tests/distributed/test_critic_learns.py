@@ -4,23 +4,19 @@ is a known function of the prefix (tests/distributed/scripts_critic.py), 2 gloo 
 
 import pytest
 
-from tests.distributed.launch import REPO, run_torchrun
+from tests.distributed.launch import run_worker, tiny_model
 
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
-    from megarl.tasks.tiny_model import TinyModelSpec, save_tiny_model
-
     root = tmp_path_factory.mktemp("critic")
-    save_tiny_model(root / "model", TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, seed=0))
+    tiny_model(root / "model")
     overrides = [
         f"model.hf_path={root / 'model'}", "model.dtype=fp32", "model.transformer_impl=local", "parallel.tp=2",
         "data.max_prompt_len=16", "rollout.max_new_tokens=16", "critic.lr=1e-3", "critic.lr_warmup_steps=0",
         "critic.weight_decay=0.0", "critic.max_tokens_per_microbatch=4096", "actor.max_tokens_per_microbatch=4096",
     ]
-    return run_torchrun(REPO / "tests/distributed/scripts_critic.py", 2,
-                        ["--config", str(REPO / "configs/algorithms/vapo.yaml"), "--steps", "30", *overrides],
-                        root / "out.json", timeout=600)
+    return run_worker("scripts_critic.py", 2, root, "--steps", 30, config="algorithms/vapo.yaml", overrides=overrides)
 
 
 def test_monte_carlo_targets_are_the_score_at_every_token(result):

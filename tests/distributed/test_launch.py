@@ -6,13 +6,12 @@ import time
 import psutil
 import pytest
 
-from tests.distributed.launch import REPO, run_torchrun
+from tests.distributed.launch import run_worker
 
 
 def test_a_timed_out_torchrun_takes_its_workers_with_it(tmp_path):
     with pytest.raises(AssertionError, match="timed out after 20 s"):
-        run_torchrun(REPO / "tests/distributed/scripts_hang.py", 2, ["--root", str(tmp_path)], tmp_path / "out.json",
-                     timeout=20)
+        run_worker("scripts_hang.py", 2, tmp_path, timeout=20)
     pids = [int((tmp_path / f"pid_{r}").read_text()) for r in range(2)]
     time.sleep(0.5)
     alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]

@@ -5,7 +5,6 @@ must exit with a CollectiveError naming the phase, within parallel.collective_ti
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from tests.distributed.launch import REPO
+from tests.distributed.launch import REPO, free_port, rl_files, rl_overrides
 
 TIMEOUT_S = 10.0
 SLACK_S = 20.0  # process exit and a loaded 2-core machine
@@ -21,32 +20,17 @@ SLACK_S = 20.0  # process exit and a loaded 2-core machine
 
 @pytest.fixture(scope="module")
 def job_files(tmp_path_factory):
-    from megarl.tasks.arith import write_task_files
-    from megarl.tasks.tiny_model import TinyModelSpec, save_tiny_model
-
-    root = tmp_path_factory.mktemp("lost_rank")
-    save_tiny_model(root / "model", TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, seed=0))
-    write_task_files(root / "task", n_sft=4, n_train=16, n_eval=2, seed=0)
-    return root
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return rl_files(tmp_path_factory.mktemp("lost_rank"), n_sft=4, n_train=16, n_eval=2)
 
 
 def _launch(root, run_dir, kill_at: str) -> list[subprocess.Popen]:
-    overrides = [
-        f"model.hf_path={root / 'model'}", f"data.train_path={root / 'task' / 'train.jsonl'}", "data.eval=[]",
-        "data.prompt_template=arith", "data.max_prompt_len=32", "model.dtype=fp32", "model.transformer_impl=local",
-        "parallel.tp=2", "parallel.nodes=1", "parallel.gpus_per_node=2", f"parallel.collective_timeout_s={TIMEOUT_S}",
-        "rollout.n_samples_per_prompt=2", "rollout.prompts_per_step=4", "rollout.max_new_tokens=8",
+    overrides = rl_overrides(root, eval_set=False) + [
+        "data.max_prompt_len=32", "parallel.tp=2", "parallel.nodes=1", "parallel.gpus_per_node=2",
+        f"parallel.collective_timeout_s={TIMEOUT_S}", "rollout.max_new_tokens=8",
         "algorithm.mini_batch_size=4", "actor.max_tokens_per_microbatch=64", "trainer.total_steps=2",
-        "trainer.save_interval=0", "trainer.eval_interval=0", "trainer.tensorboard=false",
-        "reward.sources={arith: math}", f"trainer.run_dir={run_dir}",
+        "trainer.save_interval=0", "trainer.eval_interval=0", "trainer.tensorboard=false", f"trainer.run_dir={run_dir}",
     ]
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in (0, 1):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",

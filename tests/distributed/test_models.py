@@ -3,20 +3,13 @@ step — for Qwen2, Qwen3, Llama 3 (llama3 RoPE scaling) and tied-embedding Llam
 {1,2} x {1,2}. One 4-rank gloo launch (tests/distributed/scripts_models.py) feeds every test."""
 
 import pytest
-import torch
 
-from tests.distributed.launch import REPO, run_torchrun
+from tests.distributed.launch import CPU_ONLY, worker_fixture
 from tests.distributed.scripts_models_common import FAMILIES
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU gloo test")
+pytestmark = CPU_ONLY
 LAYOUTS = ("tp1_pp1", "tp2_pp1", "tp1_pp2", "tp2_pp2")
-
-
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    work = tmp_path_factory.mktemp("models")
-    return run_torchrun(REPO / "tests/distributed/scripts_models.py", 4, ["--work", str(work)],
-                        work / "out.json")
+results = worker_fixture("scripts_models.py", 4)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

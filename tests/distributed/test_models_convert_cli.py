@@ -3,25 +3,15 @@ megatron-to-hf (sharded safetensors + index) -> transformers.from_pretrained -> 
 `verify` at PP=2 prints the diff line and fails above --tol; bad inputs give one clear error."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.distributed.launch import REPO
+from tests.distributed.launch import CPU_ONLY, convert, convert_ok, last_value
 from tests.distributed.scripts_models_common import make_tiny_hf
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU gloo test")
-CLI = REPO / "tools/convert_checkpoint.py"
-
-
-def run_cli(*args, timeout=300):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    return subprocess.run([sys.executable, str(CLI), *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, env=env, cwd=REPO)
+pytestmark = CPU_ONLY
 
 
 def save_tokenizer(path):
@@ -39,15 +29,12 @@ def test_cli_roundtrip_and_verify(tmp_path):
 
     hf = make_tiny_hf("qwen2", tmp_path / "hf", seed=5)
     save_tokenizer(hf)
-    r = run_cli("hf-to-megatron", "--hf", hf, "--out", tmp_path / "ckpt", "--tp", 2)
-    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+    convert_ok("hf-to-megatron", "--hf", hf, "--out", tmp_path / "ckpt", "--tp", 2)
     assert (tmp_path / "ckpt/model/metadata.json").exists()
     assert (tmp_path / "ckpt/hf/tokenizer.json").exists()
 
     # ~110 kB shards: the 440 kB model is written as several files with an index
-    r = run_cli("megatron-to-hf", "--ckpt", tmp_path / "ckpt", "--out", tmp_path / "hf2",
-                "--max-shard-gb", 1e-4)
-    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+    convert_ok("megatron-to-hf", "--ckpt", tmp_path / "ckpt", "--out", tmp_path / "hf2", "--max-shard-gb", 1e-4)
     index = json.loads((tmp_path / "hf2/model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf2", dtype=torch.float32)
@@ -59,31 +46,26 @@ def test_cli_roundtrip_and_verify(tmp_path):
     tok = AutoTokenizer.from_pretrained(tmp_path / "hf2")
     assert tok.convert_tokens_to_ids("w7") == 7
 
-    r = run_cli("verify", "--hf", tmp_path / "hf2", "--tp", 1, "--pp", 2)
-    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
-    last = r.stdout.strip().splitlines()[-1]
-    assert last.startswith("max_abs_logit_diff=")
-    assert float(last.split("=")[1]) < 1e-4
+    assert last_value(convert_ok("verify", "--hf", tmp_path / "hf2", "--tp", 1, "--pp", 2)) < 1e-4
 
 
 def test_cli_errors_name_the_problem(tmp_path):
     from transformers import GPT2Config
 
     GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50).save_pretrained(tmp_path / "gpt2")
-    r = run_cli("verify", "--hf", tmp_path / "gpt2", "--tp", 2)
+    r = convert("verify", "--hf", tmp_path / "gpt2", "--tp", 2)
     assert r.returncode != 0
     assert "model_type='gpt2'" in r.stderr and "qwen2" in r.stderr, r.stderr[-2000:]
 
     hf = make_tiny_hf("llama3", tmp_path / "llama", seed=1)
     # TP=2 splits the matmuls' reductions, so fp32 rounding (~1e-6) exceeds this tolerance (at TP=1
     # the local attention runs the same SDPA kernel as HF and the logits can be bit-equal)
-    r = run_cli("verify", "--hf", hf, "--tp", 2, "--tol", 1e-12)
+    r = convert("verify", "--hf", hf, "--tp", 2, "--tol", 1e-12)
     assert r.returncode == 1, r.stdout + r.stderr[-2000:]
-    diff = float(r.stdout.strip().splitlines()[-1].removeprefix("max_abs_logit_diff="))
-    assert 1e-12 < diff < 1e-4
+    assert 1e-12 < last_value(r.stdout) < 1e-4
 
     (hf / "model.safetensors").write_bytes(b"\x00garbage")
-    r = run_cli("hf-to-megatron", "--hf", hf, "--out", tmp_path / "o", "--tp", 2)
+    r = convert("hf-to-megatron", "--hf", hf, "--out", tmp_path / "o", "--tp", 2)
     assert r.returncode != 0 and "model.safetensors" in r.stderr, r.stderr[-2000:]
     assert "Traceback" not in r.stderr
 
@@ -96,10 +78,7 @@ def test_verify_context_parallel_packed_logits_and_grads(tmp_path, family, layou
     """GQA models, packed sequences of random lengths (1..19, mostly not multiples of 2*CP): the
     logits and the gradients of the summed log-likelihood equal HF's."""
     hf = make_tiny_hf(family, tmp_path / family, seed=3)
-    r = run_cli("verify", "--hf", hf, *layout, "--packed", "--grad", "--batch", 3, "--seq", 19)
-    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
-    lines = r.stdout.strip().splitlines()
-    logit_diff = float(lines[-2].removeprefix("max_abs_logit_diff="))
-    grad_diff = float(lines[-1].removeprefix("max_rel_grad_diff="))
+    out = convert_ok("verify", "--hf", hf, *layout, "--packed", "--grad", "--batch", 3, "--seq", 19)
+    logit_diff, grad_diff = last_value(out, line=-2), last_value(out, "max_rel_grad_diff")
     assert logit_diff < 1e-4 and grad_diff < 1e-4
     assert grad_diff > 0  # two different computations, not one compared with itself

@@ -5,18 +5,12 @@ EP1 (one 4-rank launch of tests/distributed/scripts_moe.py feeds those tests); a
 tools/convert_checkpoint.py with --ep: hf-to-megatron at EP2 -> megatron-to-hf at EP1 bit-exact,
 verify at TP2xEP2."""
 
-import os
-import subprocess
-import sys
-
 import pytest
-import torch
-from safetensors.torch import load_file
 
-from tests.distributed.launch import REPO, run_torchrun
+from tests.distributed.launch import CPU_ONLY, convert, convert_roundtrip, run_worker
 from tests.distributed.scripts_moe import FAMILIES
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU gloo test")
+pytestmark = CPU_ONLY
 LAYOUTS = ("tp1_pp1_ep1", "tp1_pp1_ep2", "tp2_pp1_ep2", "tp2_pp1_ep2_etp1", "tp1_pp2_ep2")
 # per layer: 6 experts x 3 + router + attention (qwen3: q/k/v/o + q/k norm; qwen2: q/k/v w+b, o)
 # + 2 norms; qwen2_moe adds shared expert (3) + its gate; plus embed, norm, lm_head
@@ -30,7 +24,7 @@ def work(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def results(work):
-    return run_torchrun(REPO / "tests/distributed/scripts_moe.py", 4, ["--work", str(work)], work / "out.json")
+    return run_worker("scripts_moe.py", 4, work)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -68,26 +62,12 @@ def test_torch_dist_saved_at_ep2_loads_at_ep1(results, family):
     assert r["roundtrip"]["exact_all_ranks"]
 
 
-def run_cli(*args, timeout=300):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    return subprocess.run([sys.executable, str(REPO / "tools/convert_checkpoint.py"), *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
-
-
 def test_convert_cli_with_expert_parallelism(results, work, tmp_path):
     hf = work / "qwen2_moe"  # written by the launch behind `results`
-    r = run_cli("hf-to-megatron", "--hf", hf, "--out", tmp_path / "ckpt", "--ep", 2)
-    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
-    assert "ep=2" in r.stdout
-    r = run_cli("megatron-to-hf", "--ckpt", tmp_path / "ckpt", "--out", tmp_path / "hf2")  # EP1
-    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
-    original, exported = load_file(hf / "model.safetensors"), load_file(tmp_path / "hf2/model.safetensors")
-    assert set(exported) == set(original) and all(torch.equal(exported[k], original[k]) for k in original)
-    r = run_cli("verify", "--hf", tmp_path / "hf2", "--tp", 2, "--ep", 2)  # world lcm(2, 2*2) = 4
-    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
-    last = r.stdout.strip().splitlines()[-1]
-    assert last.startswith("max_abs_logit_diff=") and float(last.split("=")[1]) < 1e-4
-    r = run_cli("verify", "--hf", hf, "--ep", 4)  # 6 experts
+    # hf-to-megatron at EP2, megatron-to-hf at EP1: bit-exact; verify at TP2xEP2 (world lcm(2, 2*2) = 4): < 1e-4
+    out = convert_roundtrip(hf, tmp_path, ["--ep", 2], [], ["--tp", 2, "--ep", 2])
+    assert "ep=2" in out["hf-to-megatron"]
+    r = convert("verify", "--hf", hf, "--ep", 4)  # 6 experts
     assert r.returncode == 2 and "--ep 4 must divide the number of experts (6" in r.stderr
 
 

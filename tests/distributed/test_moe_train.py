@@ -7,14 +7,9 @@ import math
 
 import pytest
 
-from tests.distributed.launch import REPO, run_torchrun
+from tests.distributed.launch import worker_fixture
 
-
-@pytest.fixture(scope="module")
-def result(tmp_path_factory):
-    root = tmp_path_factory.mktemp("moe_train")
-    return run_torchrun(REPO / "tests/distributed/scripts_moe_train.py", 4, ["--root", str(root)],
-                        root / "out.json", timeout=900)
+result = worker_fixture("scripts_moe_train.py", 4, timeout=900, name="result")
 
 
 def rel(a, b):

@@ -10,20 +10,16 @@ pinned-memory and non-blocking copies, and Transformer Engine's modules.
 
 import pytest
 
-from tests.distributed.launch import REPO, run_torchrun
+from tests.distributed.launch import run_worker, tiny_model
 
 TRAINED = ("hybrid_bf16", "distributed_fp32", "distributed_bf16", "plain_bf16", "plain_fp32")
 
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
-    from megarl.tasks.tiny_model import TinyModelSpec, save_tiny_model
-
     root = tmp_path_factory.mktemp("offload")
-    save_tiny_model(root / "model", TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, seed=0))
-    return run_torchrun(REPO / "tests/distributed/scripts_offload.py", 2,
-                        ["--model", str(root / "model"), "--cases", ",".join(TRAINED)], root / "out.json",
-                        timeout=600)
+    tiny_model(root / "model")
+    return run_worker("scripts_offload.py", 2, root, "--cases", ",".join(TRAINED))
 
 
 def test_hybrid_optimizer_updates_reach_the_next_forward_after_each_round_trip(result):

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from tests.distributed.launch import REPO, run_torchrun
+from tests.distributed.launch import rl_files, rl_overrides, run_worker
 
 # |engine - trainer| log-prob per generated token (fp32, CPU): the T-PPO gate (tests/distributed/test_tppo.py)
 MISMATCH_MEAN, MISMATCH_MAX = 2e-6, 2e-5
@@ -15,27 +15,18 @@ MISMATCH_MEAN, MISMATCH_MAX = 2e-6, 2e-5
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
-    from megarl.tasks.arith import write_task_files
-    from megarl.tasks.tiny_model import TinyModelSpec, save_tiny_model
-
-    root = tmp_path_factory.mktemp("pag")
-    save_tiny_model(root / "model", TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, seed=0))
-    write_task_files(root / "task", n_sft=10, n_train=64, n_eval=8, seed=0)
-    overrides = [
-        f"model.hf_path={root / 'model'}", f"data.train_path={root / 'task' / 'train.jsonl'}", "data.eval=[]",
+    root = rl_files(tmp_path_factory.mktemp("pag"))
+    overrides = rl_overrides(root, eval_set=False) + [
         f"sft.data_path={root / 'sft.jsonl'}", "sft.batch_size=32", "sft.lr=3e-3", "sft.lr_warmup_steps=2",
-        "sft.max_steps=60", "sft.max_len=96", "data.prompt_template=arith", "data.max_prompt_len=32",
-        "model.dtype=fp32", "model.transformer_impl=local", "parallel.tp=2", "rollout.n_samples_per_prompt=2",
-        "rollout.prompts_per_step=4", "rollout.max_new_tokens=24", "algorithm.mini_batch_size=8",
+        "sft.max_steps=60", "sft.max_len=96", "data.max_prompt_len=32", "parallel.tp=2",
+        "rollout.max_new_tokens=24", "algorithm.mini_batch_size=8",
         "actor.lr=1e-4", "critic.lr=1e-4", "actor.max_tokens_per_microbatch=256",
         "critic.max_tokens_per_microbatch=256", "actor.lr_warmup_steps=0", "critic.lr_warmup_steps=0",
         "trainer.total_steps=2", "trainer.save_interval=0", "trainer.eval_interval=0", "trainer.tensorboard=false",
-        f"trainer.run_dir={root / 'run'}", "reward.sources={arith: math}",
+        f"trainer.run_dir={root / 'run'}",
         'algorithm.pag.verify_instruction="\\nV:\\n"', 'algorithm.pag.revise_instruction="\\nR:\\n"',
     ]
-    return run_torchrun(REPO / "tests/distributed/scripts_pag.py", 2,
-                        ["--root", str(root), "--config", str(REPO / "configs/algorithms/pag.yaml"), *overrides],
-                        root / "out.json", timeout=900)
+    return run_worker("scripts_pag.py", 2, root, config="algorithms/pag.yaml", overrides=overrides, timeout=900)
 
 
 def test_trajectories_take_all_turns_with_instructions_between_them(result):

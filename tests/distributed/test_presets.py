@@ -4,21 +4,16 @@ advantage functions named by dotted path are used by a run."""
 
 import pytest
 
-from tests.distributed.launch import REPO, run_torchrun
+from tests.distributed.launch import REPO, rl_files, run_worker, tiny_model
 
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
-    from megarl.tasks.arith import write_task_files
-    from megarl.tasks.tiny_model import TinyModelSpec, save_tiny_model
-
-    root = tmp_path_factory.mktemp("presets")
-    save_tiny_model(root / "model", TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, seed=0))
-    save_tiny_model(root / "moe_model", TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, seed=0,
-                                                      family="qwen3_moe", num_experts=4, moe_topk=2, moe_intermediate=64))
-    write_task_files(root / "task", n_sft=4, n_train=64, n_eval=4, seed=0)
-    return run_torchrun(REPO / "tests/distributed/scripts_presets.py", 2, ["--root", str(root)], root / "out.json",
-                        timeout=1200)
+    root = rl_files(tmp_path_factory.mktemp("presets"), n_sft=4, n_eval=4)
+    tiny_model(root / "moe_model", family="qwen3_moe", num_experts=4, moe_topk=2, moe_intermediate=64)
+    for family, name in (("deepseek_v3", "deepseek_model"), ("glm4_moe", "glm_model")):
+        tiny_model(root / name, family=family, num_experts=4, moe_topk=2, moe_intermediate=64)
+    return run_worker("scripts_presets.py", 2, root, timeout=1200)
 
 
 def presets(result, algorithm):
@@ -34,12 +29,17 @@ def train_rows(rows):
 def test_every_preset_ran():
     names = {p.relative_to(REPO / "configs").as_posix() for p in (REPO / "configs").glob("algorithms/*.yaml")}
     names |= {p.relative_to(REPO / "configs").as_posix() for p in (REPO / "configs").glob("recipes/*/*.yaml")}
-    assert len(names) == 24
+    assert len(names) == 29
 
 
 def test_pag_preset_rolls_out_multi_turn_trajectories(result):
     rows = train_rows(result["algorithms/pag.yaml"]["rows"])
     assert rows and all(0 <= r["pag/verify_accuracy"] <= 1 and "pag/final_accuracy" in r for r in rows)
+
+
+def test_retool_preset_rolls_out_tool_trajectories(result):
+    rows = train_rows(result["algorithms/retool.yaml"]["rows"])  # an untrained model calls no tool: the counts are there
+    assert rows and all(0 <= r["tools/call_rate"] <= 1 and "tools/turn_budget_frac" in r for r in rows)
 
 
 def test_moe_recipes_ran_at_ep2_on_the_tiny_moe(result):
@@ -51,6 +51,17 @@ def test_moe_recipes_ran_at_ep2_on_the_tiny_moe(result):
         rows = train_rows(rows)
         assert rows and all(0 <= r["moe/routing_agreement"] <= 1 for r in rows), name
         assert all(r["moe/replayed_fraction"] == 1.0 for r in rows), name
+
+
+def test_sigmoid_moe_recipes_ran_on_their_tiny_family(result):
+    # DeepSeek-V3 / Kimi-K2 recipes on a tiny DeepSeek-V3 (multi-latent attention), GLM-4.5 ones on a tiny
+    # GLM-4.5: sigmoid routing with the selection bias, the dense first layer, routing replay at EP=2
+    runs = {k: v["rows"] for k, v in result.items() if k.split("/")[1:2] in (["deepseek-v3"], ["kimi-k2"], ["glm-4.5"],
+                                                                             ["glm-4.5-air"])}
+    assert len(runs) == 5
+    for name, rows in runs.items():
+        rows = train_rows(rows)
+        assert rows and all(r["moe/replayed_fraction"] == 1.0 for r in rows), name
 
 
 def test_all_presets_ran_every_step(result):

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from tests.distributed.launch import REPO, run_torchrun
+from tests.distributed.launch import run_worker, tiny_model
 
 K, PROMPTS, SAMPLES, STEPS = 2, 6, 2, 12
 
@@ -14,10 +14,9 @@ K, PROMPTS, SAMPLES, STEPS = 2, 6, 2, 12
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     from megarl.tasks.code_lines import write_task_files
-    from megarl.tasks.tiny_model import TinyModelSpec, save_tiny_model
 
     root = tmp_path_factory.mktemp("prm")
-    save_tiny_model(root / "model", TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, seed=0))
+    tiny_model(root / "model")
     task = write_task_files(root / "task", n_sft=256, n_train=16, n_eval=2, seed=0)
     overrides = [
         f"model.hf_path={root / 'model'}", f"data.train_path={task['train']}", f"sft.data_path={task['sft']}",
@@ -25,9 +24,8 @@ def result(tmp_path_factory):
         f"prm.label_samples={SAMPLES}", f"prm.train_steps={STEPS}", "prm.batch_size=4", "sft.batch_size=32",
         "sft.lr=3e-3", "sft.lr_warmup_steps=2", "critic.lr=3e-3",
     ]
-    return run_torchrun(REPO / "tests/distributed/scripts_prm.py", 2,
-                        ["--config", str(REPO / "configs/quickstart/code_prm.yaml"), "--sft-steps", "40", *overrides],
-                        root / "out.json", timeout=600)
+    return run_worker("scripts_prm.py", 2, root, "--sft-steps", 40, config="quickstart/code_prm.yaml",
+                      overrides=overrides)
 
 
 def test_labels_come_from_binary_searches_with_k_completions_per_prefix(result):

@@ -2,15 +2,12 @@
 
 from collections import Counter
 
-from tests.distributed.launch import REPO, run_torchrun
+from tests.distributed.launch import run_worker, tiny_model
 
 
 def test_engine_groups_and_sharding(tmp_path):
-    from megarl.tasks.tiny_model import TinyModelSpec, save_tiny_model
-
-    save_tiny_model(tmp_path / "model", TinyModelSpec(layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64))
-    parts = run_torchrun(REPO / "tests/distributed/scripts_rollout_groups.py", 4,
-                         ["--model", str(tmp_path / "model")], tmp_path / "out.json")
+    tiny_model(tmp_path / "model", layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64)
+    parts = run_worker("scripts_rollout_groups.py", 4, tmp_path)
     assert [p["members"] for p in parts] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     expected = Counter({f"u{i}": 3 for i in range(6)})  # every prompt once, n=3 samples each
     for per_engine in (1, 2):

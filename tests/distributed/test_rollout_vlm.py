@@ -4,19 +4,12 @@ when sampling / decoding with images equal the Megatron model's log-probs of the
 (tests/distributed/scripts_rollout_vlm.py)."""
 
 import pytest
-import torch
 
-from tests.distributed.launch import REPO, run_torchrun
+from tests.distributed.launch import CPU_ONLY, worker_fixture
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU gloo test")
+pytestmark = CPU_ONLY
 TOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    work = tmp_path_factory.mktemp("rollout_vlm")
-    return run_torchrun(REPO / "tests/distributed/scripts_rollout_vlm.py", 2, ["--work", str(work)],
-                        work / "out.json")
+results = worker_fixture("scripts_rollout_vlm.py", 2)
 
 
 def test_stream_carries_vision_tower_and_merger_at_tp2(results):

@@ -5,27 +5,17 @@ micro-batches into a model on the GPU, host tensors in NCCL-group collectives); 
 with device tensors passes, and a full train step plus a weight stream run clean.
 """
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from tests.distributed.launch import REPO
+from tests.distributed.launch import REPO, run_python, tiny_model
 
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
-    from megarl.tasks.tiny_model import TinyModelSpec, save_tiny_model
-
     root = tmp_path_factory.mktemp("strict")
-    save_tiny_model(root / "model", TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, seed=0))
-    out = root / "out.json"
-    proc = subprocess.run([sys.executable, str(REPO / "tests/distributed/scripts_strict_device.py"), str(root / "model"),
-                           str(out)], cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    tiny_model(root / "model")
+    return run_python("scripts_strict_device.py", root, timeout=300,
+                      env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
 
 
 def test_model_params_live_on_the_device(result):

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from tests.distributed.launch import REPO, run_torchrun
+from tests.distributed.launch import rl_files, rl_overrides, run_worker
 
 VOLATILE = ("time/", "perf/", "reward/time")
 WINDOW, MAX_NEW, SLOTS = 4, 10, 8  # 4 prompts x 2 samples
@@ -20,31 +20,21 @@ MISMATCH_MEAN, MISMATCH_MAX = 2e-6, 2e-5
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
-    from megarl.tasks.arith import write_task_files
-    from megarl.tasks.tiny_model import TinyModelSpec, save_tiny_model
-
-    root = tmp_path_factory.mktemp("tppo")
-    save_tiny_model(root / "model", TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, seed=0))
+    root = rl_files(tmp_path_factory.mktemp("tppo"))
     # The random model samples tokens almost uniformly and would never emit <|endoftext|>: make the
     # 36 digit and capital-letter bytes end a response too (p ~ 0.1 per token), so responses finish
     # in different windows and freed slots are refilled while other samples are still carried.
     config = json.loads((root / "model" / "config.json").read_text())
     config["eos_token_id"] = [config["eos_token_id"], *range(48, 58), *range(65, 91)]
     (root / "model" / "config.json").write_text(json.dumps(config))
-    write_task_files(root / "task", n_sft=10, n_train=64, n_eval=8, seed=0)
-    overrides = [
-        f"model.hf_path={root / 'model'}", f"data.train_path={root / 'task' / 'train.jsonl'}", "data.eval=[]",
-        "data.prompt_template=arith", "data.max_prompt_len=32", "model.dtype=fp32", "model.transformer_impl=local",
-        "parallel.tp=2", "rollout.n_samples_per_prompt=2", "rollout.prompts_per_step=4",
-        f"rollout.max_new_tokens={MAX_NEW}", f"rollout.window_tokens={WINDOW}", "algorithm.mini_batch_size=4",
+    overrides = rl_overrides(root, eval_set=False) + [
+        "data.max_prompt_len=32", "parallel.tp=2", f"rollout.max_new_tokens={MAX_NEW}",
+        f"rollout.window_tokens={WINDOW}", "algorithm.mini_batch_size=4",
         "algorithm.value_pretrain_steps=0", "actor.lr=1e-3", "critic.lr=1e-3", "actor.max_tokens_per_microbatch=64",
         "critic.max_tokens_per_microbatch=64", "actor.lr_warmup_steps=0", "critic.lr_warmup_steps=0",
         "trainer.save_interval=1", "trainer.eval_interval=0", "trainer.keep_last=2", "trainer.tensorboard=false",
-        "reward.sources={arith: math}",
     ]
-    return run_torchrun(REPO / "tests/distributed/scripts_tppo.py", 2,
-                        ["--root", str(root), "--config", str(REPO / "configs/algorithms/tppo.yaml"), *overrides],
-                        root / "out.json", timeout=900)
+    return run_worker("scripts_tppo.py", 2, root, config="algorithms/tppo.yaml", overrides=overrides, timeout=900)
 
 
 def test_logprob_mismatch_is_bounded_for_every_layout(result):

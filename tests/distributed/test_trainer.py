@@ -5,32 +5,22 @@ import math
 
 import pytest
 
-from tests.distributed.launch import REPO, run_torchrun
+from tests.distributed.launch import rl_files, rl_overrides, run_worker
 
 VOLATILE = ("time/", "perf/", "reward/time")
 
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
-    from megarl.tasks.arith import write_task_files
-    from megarl.tasks.tiny_model import TinyModelSpec, save_tiny_model
-
-    root = tmp_path_factory.mktemp("trainer")
-    save_tiny_model(root / "model", TinyModelSpec(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, seed=0))
-    write_task_files(root / "task", n_sft=10, n_train=64, n_eval=8, seed=0)
-    overrides = [
-        f"model.hf_path={root / 'model'}", f"data.train_path={root / 'task' / 'train.jsonl'}",
-        f"data.eval=[{root / 'task' / 'eval.jsonl'}]", "data.prompt_template=arith", "data.max_prompt_len=32",
-        "model.dtype=fp32", "model.transformer_impl=local", "parallel.tp=2",
-        "rollout.n_samples_per_prompt=2", "rollout.prompts_per_step=4", "rollout.max_new_tokens=12",
+    root = rl_files(tmp_path_factory.mktemp("trainer"))
+    overrides = rl_overrides(root) + [
+        "data.max_prompt_len=32", "parallel.tp=2", "rollout.max_new_tokens=12",
         "algorithm.mini_batch_size=4", "actor.lr=1e-3", "critic.lr=1e-3", "actor.max_tokens_per_microbatch=64",
         "critic.max_tokens_per_microbatch=64", "trainer.save_interval=1", "trainer.eval_interval=0",
         "trainer.keep_last=2", "eval.n_samples=1", "eval.temperature=0", "eval.max_new_tokens=12",
-        "reward.sources={arith: math}", "actor.lr_warmup_steps=0", "critic.lr_warmup_steps=0",
+        "actor.lr_warmup_steps=0", "critic.lr_warmup_steps=0",
     ]
-    return run_torchrun(REPO / "tests/distributed/scripts_trainer.py", 2,
-                        ["--root", str(root), "--config", str(REPO / "configs/algorithms/ppo.yaml"), *overrides],
-                        root / "out.json", timeout=900)
+    return run_worker("scripts_trainer.py", 2, root, config="algorithms/ppo.yaml", overrides=overrides, timeout=900)
 
 
 def test_tp2_and_pp2_train_like_tp1(result):

@@ -5,19 +5,13 @@ One 4-rank gloo launch in strict device mode (tests/distributed/scripts_vlm.py) 
 the conversion CLI (hf-to-megatron TP2 -> megatron-to-hf PP2 -> verify TP2xPP2) runs on its own."""
 
 import pytest
-import torch
 
-from tests.distributed.launch import REPO, run_torchrun
+from tests.distributed.launch import CPU_ONLY, convert_roundtrip, worker_fixture
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU gloo test")
+pytestmark = CPU_ONLY
 LAYOUTS = ("tp1_pp1", "tp2_pp1", "tp1_pp2", "tp2_pp2")
 MODELS = ("untied", "tied")
-
-
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    work = tmp_path_factory.mktemp("vlm")
-    return run_torchrun(REPO / "tests/distributed/scripts_vlm.py", 4, ["--work", str(work)], work / "out.json")
+results = worker_fixture("scripts_vlm.py", 4)
 
 
 def test_inputs_have_varied_images(results):
@@ -73,28 +67,12 @@ def test_torch_dist_checkpoint_saved_tp2pp2_loads_at_tp1pp2(results):
 
 
 def test_convert_cli_roundtrip_and_verify(tmp_path):
-    import subprocess
-    import sys
-
-    from safetensors.torch import load_file
-
     from tests.distributed.scripts_vlm_common import make_tiny_vlm
 
-    def cli(*args):
-        env = dict(__import__("os").environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        r = subprocess.run([sys.executable, str(REPO / "tools/convert_checkpoint.py"), *map(str, args)],
-                           capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
-        assert r.returncode == 0, r.stdout + r.stderr[-4000:]
-        return r.stdout
-
-    hf = make_tiny_vlm(tmp_path / "hf", seed=7)
-    cli("hf-to-megatron", "--hf", hf, "--out", tmp_path / "ckpt", "--tp", 2)
-    cli("megatron-to-hf", "--ckpt", tmp_path / "ckpt", "--out", tmp_path / "hf2", "--pp", 2)
-    original, back = load_file(hf / "model.safetensors"), load_file(tmp_path / "hf2/model.safetensors")
-    assert set(back) == set(original) and all(torch.equal(back[k], original[k]) for k in original)
-    out = cli("verify", "--hf", tmp_path / "hf2", "--tp", 2, "--pp", 2, "--batch", 3, "--seq", 10)
-    assert "images=" in out
-    assert float(out.strip().splitlines()[-1].split("=")[1]) < 1e-4
+    # bit-exact tensors back, verify's logit diff < 1e-4 (convert_roundtrip checks both)
+    out = convert_roundtrip(make_tiny_vlm(tmp_path / "hf", seed=7), tmp_path, ["--tp", 2], ["--pp", 2],
+                            ["--tp", 2, "--pp", 2, "--batch", 3, "--seq", 10], timeout=600)
+    assert "images=" in out["verify"]
 
 
 def test_sequence_parallel_logits_equal_hf(results):

@@ -6,26 +6,14 @@ the build-time error when DeepStack would span pipeline stages. One 4-rank gloo 
 mode (tests/distributed/scripts_vlm_moe.py) feeds those tests; the conversion CLI (hf-to-megatron EP2
 -> megatron-to-hf PP2 -> verify with images at TP2xEP2) runs on its own."""
 
-import os
-import subprocess
-import sys
+from tests.distributed.launch import CPU_ONLY, convert_roundtrip, worker_fixture
 
-import pytest
-import torch
-
-from tests.distributed.launch import REPO, run_torchrun
-
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU gloo test")
+pytestmark = CPU_ONLY
 LAYOUTS = ("tp1_pp1_ep1", "tp2_pp1_ep1", "tp1_pp2_ep1", "tp1_pp1_ep2", "tp2_pp1_ep2", "tp1_pp2_ep2")
 # vision: patch embed 2 + position table + 12 per block x 3 + (norm 2 + 4 linear) x (merger + 2 DeepStack);
 # LM: embed, norm, lm_head + per layer 4 attention + 2 q/k norms + 2 norms + router + 2 fused experts
 N_KEYS = 3 + 36 + 18 + 3 + 4 * 11
-
-
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    work = tmp_path_factory.mktemp("vlm_moe")
-    return run_torchrun(REPO / "tests/distributed/scripts_vlm_moe.py", 4, ["--work", str(work)], work / "out.json")
+results = worker_fixture("scripts_vlm_moe.py", 4)
 
 
 def test_inputs_have_varied_images(results):
@@ -83,22 +71,9 @@ def test_deepstack_beyond_first_pipeline_stage_fails_at_build(results):
 
 
 def test_convert_cli_roundtrip_and_verify_with_images(tmp_path):
-    from safetensors.torch import load_file
-
     from tests.distributed.scripts_vlm_moe import make_tiny_vlm_moe
 
-    def cli(*args):
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        r = subprocess.run([sys.executable, str(REPO / "tools/convert_checkpoint.py"), *map(str, args)],
-                           capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
-        assert r.returncode == 0, r.stdout + r.stderr[-4000:]
-        return r.stdout
-
-    hf = make_tiny_vlm_moe(tmp_path / "hf", seed=5)
-    cli("hf-to-megatron", "--hf", hf, "--out", tmp_path / "ckpt", "--ep", 2)
-    cli("megatron-to-hf", "--ckpt", tmp_path / "ckpt", "--out", tmp_path / "hf2", "--pp", 2)
-    original, back = load_file(hf / "model.safetensors"), load_file(tmp_path / "hf2/model.safetensors")
-    assert set(back) == set(original) and all(torch.equal(back[k], original[k]) for k in original)
-    out = cli("verify", "--hf", tmp_path / "hf2", "--tp", 2, "--ep", 2, "--batch", 3, "--seq", 10)
-    assert "images=" in out
-    assert float(out.strip().splitlines()[-1].split("=")[1]) < 1e-4
+    # bit-exact tensors back, verify's logit diff < 1e-4 (convert_roundtrip checks both)
+    out = convert_roundtrip(make_tiny_vlm_moe(tmp_path / "hf", seed=5), tmp_path, ["--ep", 2], ["--pp", 2],
+                            ["--tp", 2, "--ep", 2, "--batch", 3, "--seq", 10], timeout=600)
+    assert "images=" in out["verify"]

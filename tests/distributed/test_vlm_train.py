@@ -3,19 +3,11 @@ and M-RoPE ids; after an update and a weight stream at TP=2 (sequence parallel, 
 device mode) the builtin engine's log-probs with images equal the trainer's; model.freeze_vision
 keeps the tower as loaded; a vision-language critic trains (tests/distributed/scripts_vlm_train.py)."""
 
-import pytest
-import torch
+from tests.distributed.launch import CPU_ONLY, worker_fixture
 
-from tests.distributed.launch import REPO, run_torchrun
-
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU gloo test")
+pytestmark = CPU_ONLY
 TOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    work = tmp_path_factory.mktemp("vlm_train")
-    return run_torchrun(REPO / "tests/distributed/scripts_vlm_train.py", 2, ["--work", str(work)], work / "out.json")
+results = worker_fixture("scripts_vlm_train.py", 2)
 
 
 def test_trainer_logprobs_with_images_equal_engine_after_update_and_stream(results):

@@ -2,19 +2,12 @@
 log-probs and greedy decoding then match the Megatron actor and HF transformers."""
 
 import pytest
-import torch
 
-from tests.distributed.launch import REPO, run_torchrun
+from tests.distributed.launch import CPU_ONLY, worker_fixture
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU gloo test")
+pytestmark = CPU_ONLY
 pytest.importorskip("megarl.rollout.builtin")
-
-
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    work = tmp_path_factory.mktemp("stream")
-    return run_torchrun(REPO / "tests/distributed/scripts_weight_stream.py", 4, ["--work", str(work)],
-                        work / "out.json")
+results = worker_fixture("scripts_weight_stream.py", 4)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama3"])

@@ -5,14 +5,8 @@ import math
 import pytest
 import torch
 
-from megarl.algorithms import (
-    broadcast_to_tokens,
-    group_ids,
-    grpo_advantages,
-    place_outcome_reward,
-    reinforce_pp_advantages,
-    rloo_advantages,
-)
+from megarl.algorithms import (broadcast_to_tokens, group_ids, grpo_advantages, place_outcome_reward,
+                               reinforce_pp_advantages, rloo_advantages)
 
 
 def test_group_ids_first_appearance_order():

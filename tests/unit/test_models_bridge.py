@@ -14,6 +14,9 @@ from megarl.models.rope import hf_inv_freq, llama3_inv_freq
 
 
 class DictReader:
+    """The HF checkpoint reader's interface over a dict of tensors: a tensor's shape, and a copy
+    of the whole tensor or of its [start, stop) slice along `dim`."""
+
     def __init__(self, tensors):
         self.t = tensors
 
@@ -22,7 +25,7 @@ class DictReader:
 
     def read(self, name, dim=None, start=0, stop=0):
         t = self.t[name]
-        return t.clone() if dim is None else (t[start:stop] if dim == 0 else t[:, start:stop]).clone()
+        return t.clone() if dim is None else t.narrow(dim, start, stop - start).clone()
 
 
 def small_spec(**kw):
@@ -111,7 +114,7 @@ def test_family_registry_and_specs():
     assert q3.head_dim == 24 and q3.qk_layernorm and not q3.add_qkv_bias
     q2 = arch_spec(transformers.Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=4))
     assert q2.add_qkv_bias and q2.head_dim == 16 and not q2.qk_layernorm
-    with pytest.raises(UnsupportedModelError, match=r"model_type='gpt2'.*\['llama', 'qwen2', 'qwen2_moe', 'qwen3', 'qwen3_moe'"):
+    with pytest.raises(UnsupportedModelError, match=r"model_type='gpt2'.*\['deepseek_v3', 'glm4_moe', 'kimi_k2', 'llama', 'qwen2', 'qwen2_moe', 'qwen3', 'qwen3_moe'"):
         arch_spec(transformers.GPT2Config())
     with pytest.raises(UnsupportedModelError, match="sliding"):
         arch_spec(transformers.Qwen2Config(use_sliding_window=True, sliding_window=16, max_window_layers=0))

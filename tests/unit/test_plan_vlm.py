@@ -13,12 +13,12 @@ import os
 import pytest
 
 from megarl.config import load_config
-from tests.unit.test_plan import CONFIGS, hf_json, plan
+from tests.unit.test_plan import CONFIGS, hf_json, plan, plan_cli
 
 QWEN25_VL_7B = plan.Arch.from_hf(hf_json("qwen2.5-vl-7b"))
 QWEN25_VL_32B = plan.Arch.from_hf(hf_json("qwen2.5-vl-32b"))
 QWEN3_VL_30B = plan.Arch.from_hf(hf_json("qwen3-vl-30b-a3b"))
-VLM_MODELS = ("qwen2.5-vl-7b", "qwen2.5-vl-32b", "qwen3-vl-30b-a3b")
+VLM_MODELS = ("qwen2.5-vl-7b", "qwen2.5-vl-32b", "qwen3-vl-30b-a3b", "qwen3-vl-235b-a22b")
 
 
 # ----------------------------------------------------------------------------- tiny configs
@@ -111,6 +111,9 @@ def test_shipped_vlm_sizes():
     assert QWEN3_VL_30B.total_params() == 31_070_754_032
     assert QWEN3_VL_30B.lm_params() == 30_532_122_624  # = Qwen3-30B-A3B
     assert QWEN3_VL_30B.active_params() == 3_353_032_704  # active per LM token: the tower works per patch
+    # Qwen3-VL-235B-A22B: Qwen3-235B-A22B's LM (untied) + the same 27-block tower, merging into 4096
+    vl235 = plan.Arch.from_hf(hf_json("qwen3-vl-235b-a22b"))
+    assert vl235.total_params() == 235_670_022_896 and vl235.lm_params() == 235_093_634_560
     # Qwen2.5-VL-32B's config.json lists 8 vision fields; depth, heads, windows come from HF's defaults
     assert (QWEN25_VL_32B.vision.depth, QWEN25_VL_32B.vision.ffn, QWEN25_VL_32B.vision.full_blocks) == (32, 3456, 4)
 
@@ -322,7 +325,8 @@ def test_vlm_layout_set():
     names = {os.path.relpath(p, os.path.join(CONFIGS, "layouts"))
              for p in glob.glob(os.path.join(CONFIGS, "layouts", "*", "*node.yaml"))}
     assert {"qwen2.5-vl-7b/1node.yaml", "qwen2.5-vl-7b/2node.yaml", "qwen2.5-vl-32b/4node.yaml",
-            "qwen2.5-vl-32b/8node.yaml", "qwen3-vl-30b-a3b/2node.yaml", "qwen3-vl-30b-a3b/4node.yaml"} <= names
+            "qwen2.5-vl-32b/8node.yaml", "qwen3-vl-30b-a3b/2node.yaml", "qwen3-vl-30b-a3b/4node.yaml",
+            "qwen3-vl-235b-a22b/16node.yaml", "qwen3-vl-235b-a22b/32node.yaml"} <= names
 
 
 @pytest.mark.parametrize("model", VLM_MODELS)
@@ -344,14 +348,11 @@ def test_tower_tp_must_divide_heads_and_mlp():
 
 
 def test_vlm_cli(capsys):
-    rc = plan.main(["--recipe", os.path.join(CONFIGS, "recipes", "qwen3-vl-30b-a3b", "dapo.yaml"),
-                    "--layout", os.path.join(CONFIGS, "layouts", "qwen3-vl-30b-a3b", "2node.yaml")])
-    out = capsys.readouterr().out
+    rc, out = plan_cli(capsys, "qwen3-vl-30b-a3b", "dapo", "2node")
     assert rc == 0 and "FITS" in out and "30.53B LM + 0.54B vision tower, 3.35B active" in out
     assert "1 per sample x 256 tokens (1024 tower patches)" in out and "for 3 images = 3,072 patches" in out
-    rc = plan.main(["--recipe", os.path.join(CONFIGS, "recipes", "qwen2.5-vl-7b", "grpo.yaml"),
-                    "--image-tokens", "1000", "--images-per-sample", "2", "--images-per-microbatch", "4"])
-    out = capsys.readouterr().out
+    rc, out = plan_cli(capsys, "qwen2.5-vl-7b", "grpo", None, "--image-tokens", "1000", "--images-per-sample", "2",
+                       "--images-per-microbatch", "4")
     assert rc == 0 and "2 per sample x 1000 tokens (4000 tower patches)" in out and "16,000 patches" in out
 
 

@@ -37,12 +37,17 @@ def _sglang_format(sample) -> dict:
                 (lp, t, None) for lp, t in zip(sample.logprobs, sample.response_ids)]}}
 
 
-def test_run_segment_fire_with_builtin_backend(tmp_path):
+def save_tiny_qwen2(path, initializer_range: float) -> None:
+    """A random 2-layer Qwen2 (vocabulary 64, no EOS token) drawn after torch.manual_seed(0), saved at path."""
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         initializer_range=0.1, eos_token_id=None)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+                         initializer_range=initializer_range, eos_token_id=None)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+
+
+def test_run_segment_fire_with_builtin_backend(tmp_path):
+    save_tiny_qwen2(tmp_path, 0.1)
     engine = BuiltinEngine.from_pretrained(tmp_path)
     calls: list[GenerateCall] = []
 
@@ -147,6 +152,7 @@ class _StandInEngine:
         self.memory_calls: list[tuple[str, list[str]]] = []
         self.requests: list[dict] = []
         self.image_requests: list = []
+        self.video_requests: list = []
         self.backend = BuiltinEngine.from_pretrained(kwargs["model_path"])
         _StandInEngine.created.append(self)
 
@@ -160,7 +166,8 @@ class _StandInEngine:
         self.offloaded -= set(tags)
         self.memory_calls.append(("resume", list(tags)))
 
-    def generate(self, input_ids, sampling_params, return_logprob, return_routed_experts=False, image_data=None):
+    def generate(self, input_ids, sampling_params, return_logprob, return_routed_experts=False, image_data=None,
+                 video_data=None):
         assert return_logprob and not self.offloaded
         # SGLang refuses return_routed_experts unless the server was started with the flag
         assert not return_routed_experts or self.kwargs.get("enable_return_routed_experts")
@@ -176,6 +183,13 @@ class _StandInEngine:
                 if items:
                     (item,) = items
                     images = [{"pixel_values": item["pixel_values"], "image_grid_thw": item["image_grid_thw"]}]
+            if video_data is not None:  # the same normalisation for videos (one processor-output item)
+                items = _sglang_processor_items(_sglang_batch_image_data(input_ids, video_data)[k])
+                self.video_requests.append(items or None)
+                if items:
+                    (item,) = items
+                    video = {key: v for key, v in item.items() if key != "format"}
+                    images = [{**(images[0] if images else {}), **video}]
             sample = self.backend.generate([ids], sp, **({"images": images} if images else {}))[0]
             out = _sglang_format(sample)
             if return_routed_experts:  # SGLang: base64 of int32 [prompt + output - 1, layers, top_k]
@@ -188,11 +202,7 @@ class _StandInEngine:
 
 @pytest.fixture()
 def tiny_checkpoint(tmp_path):
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         initializer_range=0.5, eos_token_id=None)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    save_tiny_qwen2(tmp_path, 0.5)
     _StandInEngine.created.clear()
     return tmp_path
 

@@ -10,18 +10,7 @@ import torch
 from megarl.models.bridge import ParamMap, expected_hf_shapes, hf_shapes, map_param, merge_shards, read_shard
 from megarl.models.families import arch_spec
 from tests.distributed.scripts_vlm_common import tiny_vlm_config
-
-
-class DictReader:
-    def __init__(self, tensors):
-        self.t = tensors
-
-    def shape(self, name):
-        return tuple(self.t[name].shape)
-
-    def read(self, name, dim=None, start=0, stop=0):
-        t = self.t[name]
-        return t if dim is None else t.narrow(dim, start, stop - start)
+from tests.unit.test_models_bridge import DictReader
 
 
 def spec4():

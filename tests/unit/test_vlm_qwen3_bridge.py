@@ -13,18 +13,7 @@ from megarl.models.bridge import ParamMap, expected_hf_shapes, hf_shapes, merge_
 from megarl.models.families import UnsupportedModelError, arch_spec
 from megarl.models.vision.qwen3_vl_bridge import map_qwen3_vision_param
 from tests.distributed.scripts_vlm_moe import tiny_vlm_moe_config
-
-
-class DictReader:
-    def __init__(self, tensors):
-        self.t = tensors
-
-    def shape(self, name):
-        return tuple(self.t[name].shape)
-
-    def read(self, name, dim=None, start=0, stop=0):
-        t = self.t[name]
-        return t if dim is None else t.narrow(dim, start, stop - start)
+from tests.unit.test_models_bridge import DictReader
 
 
 def test_spec_reads_hf_config():
