@@ -6,6 +6,8 @@
     megarl config [--config ...] [--explain FIELD]
     megarl convert hf-to-megatron | megatron-to-hf | verify ...  (HF <-> torch_dist checkpoints)
     megarl plan --recipe R --layout L [--gpu h100|h200] ...      (per-GPU memory and step time)
+    megarl eval --hf DIR | --ckpt DIR --data SET [...]           (avg@n / pass@k / maj@n on eval sets)
+    megarl report RUN_DIR                                        (the run's curves: PNG + HTML)
 """
 
 from __future__ import annotations
@@ -16,6 +18,16 @@ import sys
 from pathlib import Path
 
 from megarl.log import setup_logging
+from megarl.registry import import_object
+
+SUBCOMMANDS = {  # command -> its main(argv) -> exit code
+    "config": "megarl.config.cli:main",
+    "quickstart": "megarl.quickstart:launch",
+    "convert": "megarl.convert.cli:main",
+    "plan": "megarl.planner.cli:main",
+    "eval": "megarl.evaluate.cli:main",
+    "report": "megarl.report:main",
+}
 
 
 def _load(args):
@@ -35,22 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         return 0
     cmd, rest = argv[0], argv[1:]
-    if cmd == "config":
-        from megarl.config.cli import main as config_main
-
-        return config_main(rest)
-    if cmd == "quickstart":
-        from megarl.quickstart import launch
-
-        return launch(rest)
-    if cmd == "convert":
-        from megarl.convert.cli import main as convert_main
-
-        return convert_main(rest)
-    if cmd == "plan":
-        from megarl.planner.cli import main as plan_main
-
-        return plan_main(rest)
+    if cmd in SUBCOMMANDS:  # imported only when asked for (each pulls in its own dependencies)
+        return import_object(SUBCOMMANDS[cmd], "megarl command")(rest)
     if cmd not in ("train", "sft"):
         print(f"unknown command {cmd!r}\n{__doc__}", file=sys.stderr)
         return 2

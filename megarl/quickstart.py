@@ -3,15 +3,16 @@
 `megarl quickstart [--nproc 2] [--config configs/quickstart.yaml] [key=value ...]` spawns
 torchrun with gloo ranks running `python -m megarl.quickstart`, which:
 
-1. builds a tiny model (`quickstart.family`: dense Qwen2, Qwen3-MoE / Qwen2-MoE with
-   `quickstart.num_experts` experts, top `quickstart.moe_topk`, or the vision-language Qwen2.5-VL
-   with its image processor) + byte tokenizer from scratch and writes the task `quickstart.task`
+1. builds a tiny model (`quickstart.family`: dense Qwen2, Qwen3-MoE / Qwen2-MoE / DeepSeek-V3 /
+   GLM-4.5 with `quickstart.num_experts` experts, top `quickstart.moe_topk`, or the vision-language Qwen2.5-VL
+   / Qwen3-VL-MoE with its image processor) + byte tokenizer from scratch and writes the task `quickstart.task`
    (default: synthetic arithmetic, a chain of thought ending in `Answer: <n>`),
 2. converts the HF model to a Megatron torch_dist checkpoint at the configured TP/PP/EP,
 3. warm-starts it with SFT (deliberately short, so there is room to learn; a finished SFT of the
    same run dir with the same sft.* settings is reused),
 4. evaluates (accuracy on held-out problems, greedy in most presets), runs RL, evaluates again,
-5. prints a table and, as its last line:
+5. prints a table, where `megarl report` wrote the run's curves (report: png=... html=...) and,
+   as its last line:
    quickstart: accuracy_before=<float> accuracy_after=<float> wall_s=<float> run_dir=<path>
 
 Resumable: every step's output appears only complete (the tiny model, task files and Megatron
@@ -137,6 +138,7 @@ def worker(argv: list[str]) -> None:
     with phase("rl"):
         result = train(cfg)
     t_rl = time.perf_counter() - t_rl
+    compare = _comparison(cfg, run, task) if task.comparison is not None else None  # e.g. the same RL without tools
     # a resumed run did not evaluate before training (nor after, resumed at the last step)
     before = result["first_eval"].get("eval/accuracy", _logged_eval(run, 0))
     after = result["last_eval"].get("eval/accuracy", _logged_eval(run, cfg.trainer.total_steps))
@@ -144,13 +146,28 @@ def worker(argv: list[str]) -> None:
     if rank0:
         extra = [(k, result["first_eval"].get(k, _logged_eval(run, 0, k)),
                   result["last_eval"].get(k, _logged_eval(run, cfg.trainer.total_steps, k))) for k in task.table_metrics]
-        _print_table(cfg, sft_out, before, after, t_sft, t_rl, wall, extra)
+        _print_table(cfg, sft_out, before, after, t_sft, t_rl, wall, extra, compare)
+        _report(run)
+        if compare is not None:
+            print(f"quickstart comparison ({compare['label']}): accuracy_before={compare['before']:.4f} "
+                  f"accuracy_after={compare['after']:.4f} wall_s={compare['wall']:.1f}", flush=True)
         print(f"quickstart: accuracy_before={before:.4f} accuracy_after={after:.4f} "
               f"wall_s={wall:.1f} run_dir={run}", flush=True)
     destroy_distributed()
 
 
 SFT_DONE = "sft_done.json"  # written after the SFT checkpoint is complete
+
+
+def _report(run: Path) -> None:
+    """The run's curves (megarl report) next to its metrics; where they are, or why not."""
+    from megarl.report import write_report
+
+    try:
+        png, page = write_report(run)
+        print(f"report: png={png} html={page}", flush=True)
+    except Exception as e:  # a plot is no reason to lose the result line (e.g. trainer.loggers without jsonl)
+        print(f"report: not written ({type(e).__name__}: {e})", flush=True)
 
 
 def _critic_sft(run: Path, cfg: MegaRLConfig, sft_out: dict) -> str:
@@ -186,6 +203,13 @@ def save_quickstart_model(out: Path, cfg: MegaRLConfig) -> None:
 
         save_tiny_vlm(out, seed=cfg.trainer.seed)
         return
+    if cfg.quickstart.family == "qwen3_vl_moe":
+        from megarl.tasks.tiny_qwen3_vl import TinyQwen3VLSpec, save_tiny_qwen3_vl
+
+        q = cfg.quickstart
+        save_tiny_qwen3_vl(out, TinyQwen3VLSpec(num_experts=q.num_experts, moe_topk=q.moe_topk,
+                                                moe_intermediate=q.moe_intermediate), seed=cfg.trainer.seed)
+        return
     from megarl.tasks.tiny_model import save_tiny_model
 
     save_tiny_model(out, tiny_model_spec(cfg))
@@ -207,15 +231,17 @@ def _check_built_model(model_dir: Path, cfg: MegaRLConfig) -> None:
     from transformers import AutoConfig
 
     built = AutoConfig.from_pretrained(model_dir)
-    if (built.model_type == "qwen2_5_vl") != (cfg.quickstart.family == "qwen2_5_vl"):
+    vlm = ("qwen2_5_vl", "qwen3_vl_moe")  # vision-language families: the model type is the whole check
+    if (built.model_type in vlm or cfg.quickstart.family in vlm) and built.model_type != cfg.quickstart.family:
         raise SystemExit(f"quickstart: {model_dir} holds a tiny {built.model_type} model, but quickstart.family is "
                          f"{cfg.quickstart.family!r}; use another trainer.run_dir")
-    if built.model_type == "qwen2_5_vl":
+    if built.model_type in vlm:
         return
     spec = tiny_model_spec(cfg)
     want = {"model_type": spec.family, "num_experts": spec.num_experts or None,
             "num_experts_per_tok": spec.moe_topk or None, "moe_intermediate_size": spec.moe_intermediate or None}
     have = {k: getattr(built, k, None) for k in want}
+    have["num_experts"] = have["num_experts"] or getattr(built, "n_routed_experts", None)  # deepseek_v3, glm4_moe
     if have != want:
         raise SystemExit(f"quickstart: {model_dir} holds a tiny model with {have}, but quickstart.* asks for {want}; "
                          "use another trainer.run_dir")
@@ -274,7 +300,31 @@ def _hf_to_megatron(hf_dir: Path, out: Path, dtype: str) -> None:
     save_megatron_checkpoint(model, out, hf_config, hf_source_dir=hf_dir)
 
 
-def _print_table(cfg: MegaRLConfig, sft_out, before, after, t_sft, t_rl, wall, extra=()) -> None:
+def _comparison(cfg: MegaRLConfig, run: Path, task) -> dict:
+    """task.comparison: the same RL from the same SFT checkpoint with the task's overrides, its run
+    dir <run>/<label> (resumed like the first with trainer.resume); its accuracy before and after
+    RL, its wall time and its table metrics after RL."""
+    from megarl.config import config_to_dict, from_dict
+    from megarl.config.loader import apply_override
+    from megarl.parallel.distributed import phase
+    from megarl.trainer.loop import train
+
+    label, overrides = task.comparison
+    tree = config_to_dict(cfg)
+    for text in (*overrides, f"trainer.run_dir={run / label}"):
+        apply_override(tree, {}, text)
+    ccfg = from_dict(tree)
+    t = time.perf_counter()
+    with phase("rl"):
+        result = train(ccfg)
+    crun, steps = run / label, ccfg.trainer.total_steps
+    return {"label": label, "steps": steps, "wall": time.perf_counter() - t, "algorithm": ccfg.algorithm.name,
+            "before": result["first_eval"].get("eval/accuracy", _logged_eval(crun, 0)),
+            "after": result["last_eval"].get("eval/accuracy", _logged_eval(crun, steps)),
+            "extra": {k: result["last_eval"].get(k, _logged_eval(crun, steps, k)) for k in task.table_metrics}}
+
+
+def _print_table(cfg: MegaRLConfig, sft_out, before, after, t_sft, t_rl, wall, extra=(), compare=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -289,14 +339,19 @@ def _print_table(cfg: MegaRLConfig, sft_out, before, after, t_sft, t_rl, wall, e
     t.add_column(f"eval accuracy ({how})", justify="right")
     t.add_row("SFT warm start", str(sft_out["steps"]), f"{t_sft:.1f}", f"{before:.3f}")
     t.add_row(f"RL ({cfg.algorithm.name})", str(cfg.trainer.total_steps), f"{t_rl:.1f}", f"{after:.3f}")
+    if compare is not None:  # the task's comparison run from the same SFT checkpoint
+        t.add_row(f"RL ({compare['algorithm']}, {compare['label']}; before {compare['before']:.3f})",
+                  str(compare["steps"]), f"{compare['wall']:.1f}", f"{compare['after']:.3f}")
     t.add_row("total", "", f"{wall:.1f}", f"{after - before:+.3f}")
     Console().print(t)
     if extra:  # the task's own eval metrics (its mechanism), before -> after RL
         m = Table(title=f"task {cfg.quickstart.task}: eval metrics before -> after RL")
-        for col in ("metric", "before RL", "after RL"):
+        cols = ("metric", "before RL", "after RL") + ((f"after RL ({compare['label']})",) if compare else ())
+        for col in cols:
             m.add_column(col, justify="left" if col == "metric" else "right")
         for key, b, a in extra:
-            m.add_row(key, f"{b:.3f}", f"{a:.3f}")
+            c = compare["extra"].get(key, float("nan")) if compare else None
+            m.add_row(key, f"{b:.3f}", f"{a:.3f}", *([f"{c:.3f}" if c == c else "-"] if compare else []))  # nan: not logged
         Console().print(m)
 
 

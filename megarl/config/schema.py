@@ -11,20 +11,11 @@ dataclass. Allowed types: bool, int, float, str, ``Literal[...]``, ``X | None``,
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
-
-def doc_field(default: Any, doc: str) -> Any:
-    """A dataclass field with ``default`` and a doc string kept in ``metadata["doc"]``.
-
-    Mutable defaults (list, dict, config dataclasses) are deep-copied per instance through ``default_factory``.
-    """
-    if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
-        return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata={"doc": doc})
-    return dataclasses.field(default=default, metadata={"doc": doc})
+from megarl.config.fields import doc_field
+from megarl.config.tools import ToolsConfig
 
 
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
@@ -82,6 +73,12 @@ class ModelConfig:
     freeze_router: bool = doc_field(
         False, "MoE: the routers' weights get no gradient and no optimizer state (they stay as loaded)"
     )
+    moe_expert_bias_update_rate: float = doc_field(
+        0.0, "DeepSeek-V3 / Kimi-K2 / GLM-4.5: after each actor step megatron's aux-loss-free balancing moves every "
+        "router's selection bias (e_score_correction_bias) by this much towards the step's mean expert load "
+        "(megatron moe_router_bias_update_rate); 0 = the bias stays as loaded, the RL default (it is never trained, "
+        "and a bias chasing the rollouts' load would change routing for a reason the loss does not see)"
+    )
     freeze_vision: bool = doc_field(
         False, "vision-language models: the vision tower (patch embedding, blocks, merger) gets no gradient and no "
         "optimizer state in the trained models (actor, critic)"
@@ -107,18 +104,22 @@ class ParallelConfig:
 
 @dataclass
 class DataConfig:
-    train_path: str | None = doc_field(None, "training prompts: a .jsonl / .parquet file or a directory of them")
+    train_path: str | None = doc_field(
+        None, "training prompts: a .jsonl / .parquet file or a directory of them, a datasets.save_to_disk folder, or "
+        "hf:NAME?split=SPLIT from the HF cache (docs/ecosystem.md)")
     eval: list[str | dict[str, Any]] = doc_field(
         [], "eval datasets: paths to configs/eval/*.yaml or inline mappings (validated by megarl.data)"
     )
-    prompt_key: str = doc_field("problem", "row field holding the prompt / problem text")
+    prompt_key: str = doc_field(
+        "problem", "row field holding the prompt / problem text, or a chat list of {role, content} messages; every "
+        "*_key may be a dotted path into nested fields (verl: reward_model.ground_truth)")
     answer_key: str = doc_field("answer", "row field holding the ground-truth answer")
     reference_key: str = doc_field("reference", "row field holding a reference / anchor response (GenRM, Pairwise-RL)")
     source_key: str = doc_field("data_source", "row field naming the reward route (e.g. math, code)")
     default_data_source: str = doc_field("math", "reward route for rows without source_key")
     prompt_template: str = doc_field("dapo", "prompt template name (dapo, boxed, raw, chat; see megarl.data)")
     apply_chat_template: bool = doc_field(False, "wrap the templated prompt with the tokenizer's chat template")
-    max_prompt_len: int = doc_field(2048, "prompts longer than this many tokens (image tokens included) are skipped and counted")
+    max_prompt_len: int = doc_field(2048, "prompts longer than this many tokens (image and video tokens included) are skipped and counted")
     image_key: str = doc_field(
         "images", "row field holding a row's images (vision-language models): paths relative to the data file, "
         "base64 / data URIs, or {bytes|path} mappings"
@@ -127,6 +128,9 @@ class DataConfig:
     max_image_tokens: int | None = doc_field(
         None, "rows with an image of more tokens than this (after the processor's resize) are skipped and counted; null = no limit"
     )
+    video_key: str = doc_field("videos", "row field holding a row's videos: a list of videos, each a list of frames (as image entries) or {frames, fps | timestamps}")
+    video_placeholder: str = doc_field("<video>", "marker in the prompt text where each video goes (none: videos first)")
+    max_video_tokens: int | None = doc_field(None, "rows with a video of more tokens than this are skipped and counted; null = no limit")
     shuffle: bool = doc_field(True, "shuffle the training prompts every epoch")
     seed: int = doc_field(42, "data shuffling seed")
     first_sources: list[str] = doc_field(
@@ -190,6 +194,7 @@ class RolloutConfig:
         "restart", "T-PPO: a sample over rollout.max_staleness restarts its response under the current policy "
         "(keeping its slot), or is dropped (its slot takes a new prompt)"
     )
+    tools: ToolsConfig = doc_field(ToolsConfig(), "tool-calling rollouts (docs/tools.md)")
 
 
 PAG_VERIFY_INSTRUCTION = (  # the released PAG code's verifier turn (docs/algorithms.md §8)
@@ -359,8 +364,24 @@ class TrainerConfig:
         False, "write checkpoints in background processes (megatron dist_checkpointing async save) while training "
         "goes on; `latest` moves only after every rank's files are finalised"
     )
-    tensorboard: bool = doc_field(True, "write TensorBoard event files under run_dir/tb")
+    tensorboard: bool = doc_field(
+        True, "write TensorBoard event files under run_dir/tb; false drops 'tensorboard' from trainer.loggers "
+        "(kept for older configs)")
     val_before_train: bool = doc_field(False, "evaluate once before the first step")
+    # ---- metrics loggers (megarl.trainer.loggers; docs/ecosystem.md) ----
+    loggers: list[Literal["tensorboard", "jsonl", "wandb", "mlflow"]] = doc_field(
+        ["tensorboard", "jsonl"], "where rank 0 sends the metrics: tensorboard (run_dir/tb), jsonl "
+        "(run_dir/metrics.jsonl: the quickstart, megarl report and resume read it), wandb, mlflow")
+    project: str = doc_field("megarl", "W&B project / MLflow experiment the run is logged under")
+    run_name: str | None = doc_field(None, "W&B / MLflow run name; null = the run dir's name")
+    tags: list[str] = doc_field([], "tags of the W&B / MLflow run (MLflow: one tag key per entry)")
+    wandb_mode: Literal["online", "offline"] | None = doc_field(
+        None, "W&B mode; offline writes run_dir/wandb only (upload later with `wandb sync`); null = the "
+        "WANDB_MODE environment variable, else online")
+    wandb_entity: str | None = doc_field(None, "W&B entity (user or team); null = W&B's default for the API key")
+    mlflow_tracking_uri: str | None = doc_field(
+        None, "MLflow tracking URI (http(s)://server or a file store path); null = MLFLOW_TRACKING_URI, else a "
+        "file store in run_dir/mlruns")
 
 
 @dataclass
@@ -387,14 +408,16 @@ class QuickstartConfig:
     task: str = doc_field(
         "arith", "synthetic task megarl quickstart writes and trains on: a name registered in megarl.tasks "
         "(module megarl.tasks.<task>), e.g. arith")
-    family: Literal["qwen2", "qwen3_moe", "qwen2_moe", "qwen2_5_vl"] = doc_field(
-        "qwen2", "tiny model that megarl quickstart builds: dense Qwen2, Qwen3-MoE / Qwen2-MoE (shared expert), or "
-        "the vision-language Qwen2.5-VL (megarl.tasks.tiny_vlm, with its image processor)")
+    family: Literal["qwen2", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe", "qwen2_5_vl", "qwen3_vl_moe"] = doc_field(
+        "qwen2", "tiny model that megarl quickstart builds: dense Qwen2, Qwen3-MoE / Qwen2-MoE (shared expert), "
+        "DeepSeek-V3 (multi-latent attention) / GLM-4.5 (sigmoid routing with a selection bias, shared expert, "
+        "dense first layer), or the vision-language Qwen2.5-VL (megarl.tasks.tiny_vlm) / Qwen3-VL-MoE "
+        "(megarl.tasks.tiny_qwen3_vl; quickstart.num_experts etc.), with their image processors")
     num_experts: int = doc_field(8, "experts per MoE layer of the tiny MoE model (MoE families only)")
     moe_topk: int = doc_field(2, "experts each token is routed to (MoE families only)")
     moe_intermediate: int = doc_field(
-        192, "FFN size of each expert (and of qwen2_moe's shared expert); dense intermediate 384 / moe_topk = "
-        "the dense model's MLP FLOPs per token")
+        192, "FFN size of each expert (and of the shared expert of qwen2_moe, deepseek_v3, glm4_moe); dense "
+        "intermediate 384 / moe_topk = the dense model's MLP FLOPs per token")
     critic_sft_steps: int = doc_field(
         0, "with a critic: SFT steps more than the policy's warm start for the critic's initial backbone "
         "(continued from the policy's SFT checkpoint into <run_dir>/sft_critic, then critic.init_from); "
@@ -406,8 +429,8 @@ class PrmConfig:
     """Code PRM (docs/algorithms.md §10; megarl.algorithms.prm, megarl.trainer.prm)."""
 
     path: str | None = doc_field(
-        None, "PRM checkpoint dir (a critic-architecture torch_dist checkpoint); the code_lines quickstart "
-        "labels and trains one there before RL when it is missing")
+        None, "PRM checkpoint dir (a critic-architecture torch_dist checkpoint); null = <trainer.run_dir>/prm. "
+        "The code_lines quickstart labels and trains one there before RL when it is missing")
     dense_reward: bool = doc_field(
         False, "add lambda * PRM(x, y<=line j) / n_lines on the last token of every line j to the outcome reward "
         "([NS->C] equation; gae/egae only)")

@@ -62,12 +62,18 @@ def validate_config(cfg: MegaRLConfig, where: Callable[[str], str] | None = None
     e.check(m.logprob_chunk_tokens >= 1, "model.logprob_chunk_tokens", f"must be >= 1, got {m.logprob_chunk_tokens}")
     e.check(m.recompute_num_layers >= 1, "model.recompute_num_layers", f"must be >= 1, got {m.recompute_num_layers}")
     e.check(m.moe_aux_loss_coeff >= 0, "model.moe_aux_loss_coeff", f"must be >= 0, got {m.moe_aux_loss_coeff}")
+    e.check(m.moe_expert_bias_update_rate >= 0, "model.moe_expert_bias_update_rate",
+            f"must be >= 0, got {m.moe_expert_bias_update_rate}")
     _check_te_attention(e, cfg)
 
     e.check(d.max_prompt_len >= 1, "data.max_prompt_len", f"must be >= 1, got {d.max_prompt_len}")
     e.check(d.max_image_tokens is None or d.max_image_tokens >= 1, "data.max_image_tokens",
             f"must be >= 1 or null, got {d.max_image_tokens}")
     e.check(bool(d.image_placeholder), "data.image_placeholder", "must be a non-empty string")
+    e.check(d.max_video_tokens is None or d.max_video_tokens >= 1, "data.max_video_tokens",
+            f"must be >= 1 or null, got {d.max_video_tokens}")
+    e.check(bool(d.video_placeholder) and d.video_placeholder != d.image_placeholder, "data.video_placeholder",
+            f"must be a non-empty string other than data.image_placeholder, got {d.video_placeholder!r}")
     e.check(d.first_sources_decay in ("linear", "step"), "data.first_sources_decay",
             f"must be linear or step, got {d.first_sources_decay!r}")
     e.check(not d.first_sources or d.first_sources_steps >= 1, "data.first_sources_steps",
@@ -156,6 +162,8 @@ def validate_config(cfg: MegaRLConfig, where: Callable[[str], str] | None = None
     seq_max = d.max_prompt_len + r.max_new_tokens
     if a.pag.enable:
         seq_max = _check_pag(e, cfg)
+    if r.tools.enable:
+        seq_max = _check_tools(e, cfg)
     for role in ("actor", "critic"):
         o = getattr(cfg, role)
         if role == "critic" and not cfg.critic.enable:
@@ -181,6 +189,7 @@ def validate_config(cfg: MegaRLConfig, where: Callable[[str], str] | None = None
     e.check(t.keep_last is None or t.keep_last >= 1, "trainer.keep_last", f"must be >= 1 or null, got {t.keep_last}")
     e.check(t.eval_interval >= 0, "trainer.eval_interval", f"must be >= 0, got {t.eval_interval}")
     e.check(t.log_interval >= 1, "trainer.log_interval", f"must be >= 1, got {t.log_interval}")
+    e.check(len(set(t.loggers)) == len(t.loggers), "trainer.loggers", f"names a logger twice: {t.loggers}")
     e.check(p.collective_timeout_s > 0, "parallel.collective_timeout_s", f"must be > 0 seconds, got {p.collective_timeout_s}")
     ev = cfg.eval
     e.check(ev.n_samples >= 1, "eval.n_samples", f"must be >= 1, got {ev.n_samples}")
@@ -236,11 +245,10 @@ def _check_te_attention(e: _Errors, cfg: MegaRLConfig) -> None:
 
 
 def _check_prm(e: _Errors, cfg: MegaRLConfig) -> None:
-    """Code PRM (docs/algorithms.md §10): dense line rewards need a critic estimator; a PRM needs a path."""
+    """Code PRM (docs/algorithms.md §10): dense line rewards need a critic estimator; prm.path, when set,
+    names a directory (null: <trainer.run_dir>/prm)."""
     pr = cfg.prm
-    uses = pr.dense_reward or pr.init_critic
-    e.check(not uses or bool(pr.path), "prm.path",
-            "prm.dense_reward / prm.init_critic need the PRM checkpoint dir (the code_lines quickstart trains one there)")
+    e.check(pr.path is None or bool(pr.path.strip()), "prm.path", "must be a directory or null (<trainer.run_dir>/prm)")
     e.check(not pr.dense_reward or cfg.algorithm.advantage in CRITIC_ADVANTAGES, "prm.dense_reward",
             f"dense line rewards need a per-token estimator: algorithm.advantage gae or egae, got {cfg.algorithm.advantage!r}")
     e.check(not pr.init_critic or cfg.critic.enable, "prm.init_critic", "needs critic.enable=true")
@@ -270,6 +278,34 @@ def _check_pag(e: _Errors, cfg: MegaRLConfig) -> int:
     turns = max(g.max_policy_turns, 1)
     templates = (turns - 1) * len((g.verify_instruction + g.revise_instruction).encode("utf-8"))
     return cfg.data.max_prompt_len + (2 * turns - 1) * cfg.rollout.max_new_tokens + templates
+
+
+def _check_tools(e: _Errors, cfg: MegaRLConfig) -> int:
+    """Tool-calling rollouts (rollout.tools.enable); returns the longest sequence: the prompt and
+    the response budget (every turn and observation)."""
+    r, t = cfg.rollout, cfg.rollout.tools
+    for name in ("max_turns", "memory_mb", "max_output_chars", "max_workers"):
+        e.check(getattr(t, name) >= 1, f"rollout.tools.{name}", f"must be >= 1, got {getattr(t, name)}")
+    e.check(t.max_response_tokens is None or t.max_response_tokens >= 1, "rollout.tools.max_response_tokens",
+            f"must be >= 1 or null, got {t.max_response_tokens}")
+    e.check(t.timeout_s > 0, "rollout.tools.timeout_s", f"must be > 0 seconds, got {t.timeout_s}")
+    for name in ("malformed_penalty", "budget_penalty"):
+        e.check(getattr(t, name) >= 0, f"rollout.tools.{name}", f"a penalty is subtracted: must be >= 0, got "
+                f"{getattr(t, name)}")
+    e.check(not cfg.algorithm.pag.enable, "rollout.tools.enable", "does not combine with algorithm.pag.enable")
+    e.check(r.window_tokens is None, "rollout.window_tokens", "T-PPO windows do not apply to tool-calling rollouts")
+    if t.format == "code":
+        e.check(t.python, "rollout.tools.python", "the code format calls the python interpreter: it must stay on")
+        e.check(not t.functions, "rollout.tools.functions", "user tools need rollout.tools.format=chat_json (code "
+                "blocks call only the interpreter)")
+    else:
+        e.check(t.python or bool(t.functions), "rollout.tools.functions", "chat_json with rollout.tools.python=false "
+                "needs at least one user tool")
+    for name, path in t.functions.items():
+        e.check(name.isidentifier() and not (t.python and name == "python"), "rollout.tools.functions",
+                f"tool name {name!r} must be an identifier other than the interpreter's 'python'")
+        e.check(is_dotted_path(path), "rollout.tools.functions", f"{name}: {path!r} is not 'package.module:function'")
+    return cfg.data.max_prompt_len + (t.max_response_tokens or r.max_new_tokens)
 
 
 def _check_windows(e: _Errors, cfg: MegaRLConfig) -> None:

@@ -14,9 +14,10 @@ one random batch (packed THD like the trainer; --packed: variable lengths) throu
 transformers and the Megatron model (fp32) at tp x pp x cp and prints `max_abs_logit_diff=<float>`;
 with --grad also `max_rel_grad_diff=<float>` (max over parameters of |g_megatron - g_hf| / |g_hf|
 for the summed log-likelihood, through the trainer's TrainModel path) as its last line. It exits 1
-when a difference exceeds --tol. For vision-language models (qwen2_5_vl; qwen3_vl_moe, also with
---ep) verify feeds random images with the random text (megarl.convert.verify_vlm; no --grad /
---packed yet).
+when a difference exceeds --tol. For vision-language models (qwen2_5_vl, qwen3_vl; qwen3_vl_moe, also
+with --ep) verify feeds random images with the random text (megarl.convert.verify_vlm; no --grad /
+--packed yet). qwen3_vl_moe's fused expert tensors are read in either on-disk layout and written in
+the released one (megarl.weights.expert_layout).
 """
 
 from __future__ import annotations
@@ -76,8 +77,10 @@ def _model_dtype(args, hf_config):
 def _load_hf_config(hf_dir: str):
     from transformers import AutoConfig
 
+    from megarl.models.deepseek import register_kimi_config
     from megarl.weights.hf_reader import CheckpointError
 
+    register_kimi_config()  # Kimi-K2's model_type "kimi_k2" reads as DeepSeek-V3
     if not (Path(hf_dir) / "config.json").exists():
         raise CheckpointError(f"{Path(hf_dir) / 'config.json'} not found")
     try:
@@ -91,12 +94,11 @@ def preflight(args) -> None:
     input fails once, with one message, before torchrun starts."""
     from megarl.models.families import arch_spec
     from megarl.weights.dist_ckpt import load_checkpoint_hf_config, read_checkpoint_meta
-    from megarl.weights.hf_reader import HFCheckpoint
-    from megarl.weights.load_hf import check_checkpoint
+    from megarl.weights.load_hf import check_checkpoint, open_checkpoint
 
     if args.cmd in ("hf-to-megatron", "verify"):
         spec = arch_spec(_load_hf_config(args.hf))
-        check_checkpoint(HFCheckpoint(args.hf), spec)
+        check_checkpoint(open_checkpoint(args.hf), spec)
     else:
         read_checkpoint_meta(args.ckpt)
         spec = arch_spec(load_checkpoint_hf_config(args.ckpt))
@@ -157,6 +159,8 @@ def hf_reference(args, seqs, dtype, grad: bool):
     import torch
     from transformers import AutoModelForCausalLM
 
+    from megarl.weights.hf_reader import HFCheckpoint
+
     hf = AutoModelForCausalLM.from_pretrained(args.hf, dtype=dtype).eval()
     logits = []
     with torch.set_grad_enabled(grad):
@@ -168,7 +172,28 @@ def hf_reference(args, seqs, dtype, grad: bool):
         if not grad:
             return logits, {}
         total.backward()
-    return logits, {n: p.grad.float() for n, p in hf.named_parameters() if p.grad is not None}
+    grads = {n: p.grad.float() for n, p in hf.named_parameters() if p.grad is not None}
+    return logits, per_expert_grads(grads, on_disk=set(HFCheckpoint(args.hf).names()))
+
+
+def per_expert_grads(grads: dict, on_disk: set[str]) -> dict:
+    """HF gradients under the checkpoint's names: transformers 5 holds each MoE layer's experts as
+    two fused parameters (`mlp.experts.gate_up_proj` [E, 2F, H], `mlp.experts.down_proj` [E, H, F])
+    that the checkpoint stores per expert (`mlp.experts.{e}.gate_proj.weight`, ...); those are
+    split. Fused names the checkpoint itself uses (Qwen3-VL-MoE) stay as they are."""
+    out = {}
+    for name, g in grads.items():
+        base, _, kind = name.rpartition(".")
+        if name in on_disk or not base.endswith("mlp.experts") or kind not in ("gate_up_proj", "down_proj"):
+            out[name] = g
+            continue
+        for e in range(g.shape[0]):
+            if kind == "down_proj":
+                out[f"{base}.{e}.down_proj.weight"] = g[e]
+            else:
+                gate, up = g[e].chunk(2)
+                out[f"{base}.{e}.gate_proj.weight"], out[f"{base}.{e}.up_proj.weight"] = gate, up
+    return out
 
 
 def megatron_grads(args, cfg, dtype, seqs):
@@ -176,15 +201,20 @@ def megatron_grads(args, cfg, dtype, seqs):
     packed micro-batch, CP chunks, 1F1B under PP, gradients reduced by megatron's DDP), streamed
     out as full HF-named tensors on rank 0 ({} elsewhere)."""
     import torch
+    from megatron.core import parallel_state as ps
 
     from megarl.config.schema import OptimConfig
     from megarl.trainer.batch import StepBatch, Trajectory
     from megarl.trainer.train_model import TrainModel
     from megarl.weights import load_hf_weights, stream_hf_weights
 
+    from megarl.models.families import arch_spec
+
     name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     optim = OptimConfig(lr=0.0, max_tokens_per_microbatch=10**9, use_distributed_optimizer=False)
-    model = TrainModel(cfg, optim, dtype=name, impl=args.impl)
+    # megatron trains an MoE layer at TP > 1 only with sequence parallelism
+    sp = bool(arch_spec(cfg).num_experts) and args.tp > 1
+    model = TrainModel(cfg, optim, dtype=name, impl=args.impl, model_options={"sequence_parallel": sp})
     load_hf_weights(model.chunks, args.hf)
     trajs = [Trajectory(uid=str(i), prompt_ids=s[:1].tolist(), response_ids=s[1:].tolist(),
                         rollout_logprobs=[], finish_reason="stop") for i, s in enumerate(seqs)]
@@ -192,10 +222,13 @@ def megatron_grads(args, cfg, dtype, seqs):
     for c in model.chunks:
         c.zero_grad_buffer()
     model.run(model.microbatches(batch), lambda mb, logits: (mb.log_probs(logits).sum(), {}), forward_only=False)
+    # every data-parallel rank runs the whole batch and megatron sums the gradients over DP (an
+    # expert's over the EP ranks' tokens and expert-DP): DP copies of every gradient
+    dp = ps.get_data_parallel_world_size()
     with torch.no_grad():
         for c in model.chunks:
             for p in c.parameters():
-                p.copy_(p.main_grad.to(p.dtype))  # the weight stream maps grads like weights
+                p.copy_((p.main_grad / dp).to(p.dtype))  # the weight stream maps grads like weights
     stream = stream_hf_weights(model.modules, cfg, receive=True)
     grads = {n: t.float().cpu().clone() for bucket in stream for n, t in bucket}
     return grads

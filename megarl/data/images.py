@@ -18,6 +18,10 @@ A row whose image is missing, unreadable, corrupt or larger than `data.max_image
 skipped and counted with its row number, id and the image's source (`PromptDataset.skipped`);
 prompts whose image tokens push them past `data.max_prompt_len` are skipped as too long. Pixel
 values are computed when a prompt is drawn (`ImageInputs.pixels`), not at load.
+
+Videos (`data.video_key`, `<video>` placeholders; `megarl.data.video`) ride along: `ImageInputs`
+holds the checkpoint's `VideoInputs` when it has one, a row's refs are its images then its videos,
+and counts, markers, expansion and pixels cover both.
 """
 
 from __future__ import annotations
@@ -108,14 +112,17 @@ class ImageInputs:
     `image_token_id` / `vision_start_id` / `vision_end_id`: the model config's ids."""
 
     def __init__(self, processor, image_token_id: int, vision_start_id: int, vision_end_id: int,
-                 tokenizer, placeholder: str = "<image>", max_image_tokens: int | None = None):
+                 tokenizer, placeholder: str = "<image>", max_image_tokens: int | None = None,
+                 videos=None, video_key: str = "videos"):
         self.processor = getattr(processor, "image_processor", processor)
         self.image_token_id, self.start_id, self.end_id = image_token_id, vision_start_id, vision_end_id
         self.placeholder, self.max_image_tokens = placeholder, max_image_tokens
         self.marker = "".join(tokenizer.convert_ids_to_tokens([vision_start_id, image_token_id, vision_end_id]))
+        self.videos, self.video_key = videos, video_key  # megarl.data.video.VideoInputs (None: no videos)
 
     @classmethod
     def from_pretrained(cls, hf_path: str, hf_config, tokenizer, **kw) -> "ImageInputs":
+        """The checkpoint's image processor; `videos` (a `VideoInputs.from_pretrained`) in `kw`."""
         from transformers import AutoImageProcessor
 
         try:  # the image processor alone: AutoProcessor would also build a video processor (torchvision)
@@ -125,6 +132,20 @@ class ImageInputs:
                              f"(preprocessor_config.json): {e}") from e
         return cls(processor, int(hf_config.image_token_id), int(hf_config.vision_start_token_id),
                    int(hf_config.vision_end_token_id), tokenizer, **kw)
+
+    def row_visuals(self, row: dict, image_key: str) -> Any:
+        """A row's raw images (`image_key`) and videos (`video_key`), None when it has neither."""
+        raw_videos = row.get(self.video_key) if self.videos is not None else None
+        if raw_videos is None:
+            return row.get(image_key)
+        return {"images": row.get(image_key), "videos": raw_videos}
+
+    def refs(self, raw: Any, base_dir: str | Path) -> list:
+        """`ImageRef`s, then `VideoRef`s, of `row_visuals`' value."""
+        if not (isinstance(raw, dict) and "videos" in raw and "images" in raw):
+            return image_refs(raw, base_dir)
+        images = image_refs(raw["images"], base_dir) if raw["images"] is not None else []
+        return images + self.videos.refs(raw["videos"], base_dir)
 
     def grid(self, height: int, width: int) -> tuple[int, int, int]:
         """(t, h, w) patches of one image after the processor's resize."""
@@ -142,46 +163,79 @@ class ImageInputs:
         t, h, w = self.grid(image.height, image.width)
         return t * h * w // int(self.processor.merge_size) ** 2
 
-    def with_markers(self, prompt: str, n_images: int) -> str:
-        """The prompt with each placeholder replaced by the vision marker tokens' text (images
-        without a placeholder go first); raises ImageError when there are more placeholders than images."""
-        n_marks = prompt.count(self.placeholder)
-        if n_marks > n_images:
-            raise ImageError(f"the prompt has {n_marks} {self.placeholder!r} placeholders but the row has {n_images} image(s)")
-        prompt = self.placeholder * (n_images - n_marks) + prompt
-        return prompt.replace(self.placeholder, self.marker)
+    def with_markers(self, prompt: str, refs) -> str:
+        """The prompt with each placeholder replaced by the vision marker tokens' text (images, then
+        videos, without a placeholder go first); `refs`: the row's refs (or its number of images).
+        Raises ImageError when there are more placeholders than images or videos."""
+        images = refs if isinstance(refs, int) else sum(isinstance(r, ImageRef) for r in refs)
+        videos = [] if isinstance(refs, int) else [r for r in refs if not isinstance(r, ImageRef)]
+        marks = [(self.placeholder, images, "image")]
+        if self.videos is not None:
+            marks.append((self.videos.placeholder, len(videos), "video"))
+        for mark, n, what in reversed(marks):
+            n_marks = prompt.count(mark)
+            if n_marks > n:
+                raise ImageError(f"the prompt has {n_marks} {mark!r} placeholders but the row has {n} {what}(s)")
+            prompt = mark * (n - n_marks) + prompt
+        prompt = prompt.replace(self.placeholder, self.marker)
+        for video in videos:
+            prompt = prompt.replace(self.videos.placeholder, self.videos.marker(video), 1)
+        return prompt
 
-    def expand(self, ids: list[int], counts: list[int]) -> list[int]:
-        """Token ids with the k-th image pad token repeated counts[k] times."""
-        pads = [i for i, t in enumerate(ids) if t == self.image_token_id]
-        if len(pads) != len(counts):
-            raise ImageError(f"the tokenised prompt holds {len(pads)} image pad tokens for {len(counts)} image(s)")
-        out, prev = [], 0
-        for i, n in zip(pads, counts):
-            out += ids[prev:i] + [self.image_token_id] * n
-            prev = i + 1
-        return out + ids[prev:]
+    def expand(self, ids: list[int], counts: list) -> list[int]:
+        """Token ids with the k-th image pad token repeated counts[k] times; a video's count is a
+        list (one per run of its pads)."""
+        ids = _expand(ids, self.image_token_id, [n for n in counts if isinstance(n, int)], "image")
+        runs = [n for c in counts if not isinstance(c, int) for n in c]
+        return _expand(ids, self.videos.video_token_id, runs, "video") if self.videos is not None else ids
 
-    def check(self, refs: list[ImageRef]) -> list[int]:
-        """Token count of each image; raises ImageError (naming the image) when one is unusable."""
+    def check(self, refs: list) -> list:
+        """Token count of each image (a list per video: its runs); raises ImageError (naming the
+        image or video) when one is unusable."""
         counts = []
         for ref in refs:
+            if not isinstance(ref, ImageRef):
+                counts.append(self.videos.run_tokens(ref))
+                continue
             n = self.n_tokens(open_image(ref))
             if self.max_image_tokens is not None and n > self.max_image_tokens:
                 raise ImageError(f"image {ref.label!r}: {n} tokens > data.max_image_tokens {self.max_image_tokens}")
             counts.append(n)
         return counts
 
-    def pixels(self, refs: list[ImageRef]) -> PromptImages:
-        """The processor's pixel_values [patches, C*tp*p*p] and image_grid_thw [n, 3] of a prompt's images."""
-        out = self.processor(images=[open_image(r) for r in refs], return_tensors="pt")
-        return PromptImages(pixel_values=out["pixel_values"].float(), image_grid_thw=out["image_grid_thw"].long())
+    def pixels(self, refs: list) -> PromptImages:
+        """The processor's pixel_values [patches, C*tp*p*p] and image_grid_thw [n, 3] of a prompt's
+        images, and its videos' pixels (`VideoInputs.pixels`)."""
+        images = [r for r in refs if isinstance(r, ImageRef)]
+        videos = [r for r in refs if not isinstance(r, ImageRef)]
+        out = self.processor(images=[open_image(r) for r in images], return_tensors="pt") if images else None
+        return PromptImages(pixel_values=None if out is None else out["pixel_values"].float(),
+                            image_grid_thw=None if out is None else out["image_grid_thw"].long(),
+                            **(self.videos.pixels(videos) if videos else {}))
+
+
+def _expand(ids: list[int], pad: int, counts: list[int], what: str) -> list[int]:
+    """Token ids with the k-th `pad` token repeated counts[k] times."""
+    pads = [i for i, t in enumerate(ids) if t == pad]
+    if len(pads) != len(counts):
+        raise ImageError(f"the tokenised prompt holds {len(pads)} {what} pad tokens for {len(counts)} {what} run(s)")
+    out, prev = [], 0
+    for i, n in zip(pads, counts):
+        out += ids[prev:i] + [pad] * n
+        prev = i + 1
+    return out + ids[prev:]
 
 
 def concat_images(images: list[PromptImages | None]) -> PromptImages | None:
-    """The images of several sequences in sequence order (HF's row-major layout), None if none."""
+    """The images and videos of several sequences in sequence order (HF's row-major layout), None
+    if none."""
     real = [im for im in images if im is not None]
     if not real:
         return None
-    return PromptImages(pixel_values=torch.cat([im.pixel_values for im in real]),
-                        image_grid_thw=torch.cat([im.image_grid_thw for im in real]))
+
+    def cat(field):
+        parts = [getattr(im, field) for im in real if getattr(im, field) is not None]
+        return torch.cat(parts) if parts else None
+
+    return PromptImages(*(cat(f) for f in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
+                                           "second_per_grid_ts")))

@@ -77,19 +77,24 @@ def render_text(item: Any, template: str) -> str:
     return apply_template(template, problem)
 
 
-def render_prompt(item: Any, template: str, tokenizer: Any, apply_chat_template: bool) -> list[int]:
+def render_prompt(item: Any, template: str, tokenizer: Any, apply_chat_template: bool,
+                  tools: list[dict] | None = None) -> list[int]:
     """Token ids of the prompt for `item` (a PromptItem or a problem string).
 
     With `apply_chat_template` and a tokenizer that has a chat template, the templated text is
-    sent as one user message with ``add_generation_prompt=True``. Otherwise the text is encoded
+    sent as a user message with ``add_generation_prompt=True``, after the earlier messages of a
+    chat-list prompt (`item.messages`). Otherwise the text is encoded
     with the tokenizer's own special-token convention (``add_special_tokens=True``: Llama adds
     BOS, Qwen adds nothing). Asking for a chat template the tokenizer lacks logs a warning once
-    per tokenizer and falls back to plain encoding.
+    per tokenizer and falls back to plain encoding. `tools` (JSON schemas; tool-calling rollouts in
+    the chat_json format) are declared through the chat template (`apply_chat_template(tools=...)`).
     """
     text = render_text(item, template)
     if apply_chat_template and has_chat_template(tokenizer):
+        earlier = list(getattr(item, "messages", None) or [])[:-1]  # a chat-list prompt's turns before its last
         ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+            earlier + [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
+            **({"tools": tools} if tools else {})
         )
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in some versions
             ids = ids["input_ids"]

@@ -5,6 +5,7 @@ from megarl.models.families import (
     ArchSpec, UnsupportedModelError, arch_spec, register_family, supported_model_types)
 from megarl.models.forward import megatron_forward_logits
 from megarl.models import vision as _vision  # noqa: F401,E402  (registers the vision-language families)
+from megarl.models import deepseek as _deepseek  # noqa: F401,E402  (deepseek_v3, kimi_k2, glm4_moe)
 
 __all__ = [
     "ArchSpec", "UnsupportedModelError", "arch_spec", "build_model", "megatron_forward_logits",

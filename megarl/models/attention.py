@@ -141,19 +141,21 @@ def gather_from_cp(x: torch.Tensor, group) -> torch.Tensor:
 class LocalAttention(torch.nn.Module):
     """Core attention for megatron's local layer spec (see the module docstring).
 
-    Constructed by megatron's `SelfAttention` with the `DotProductAttention` keyword arguments;
-    dropout on attention probabilities is not supported (every supported model has 0).
+    Constructed by megatron's `SelfAttention` with the `DotProductAttention` keyword arguments
+    (multi-latent attention adds k_channels / v_channels: queries and keys of one width, values of
+    another, which every kernel takes); dropout on attention probabilities is not supported (every
+    supported model has 0).
     """
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None):
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None, k_channels=None, v_channels=None):
         super().__init__()
         p = config.attention_dropout if attention_dropout is None else attention_dropout
         if p:
             raise ValueError(f"megarl's local attention has no attention dropout (attention_dropout={p}); "
                              "use model.transformer_impl=transformer_engine or a model with attention_dropout 0")
         self.config = config
-        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(k_channels or config.kv_channels)
         self.cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
         if self.cp_group is None:
             from megatron.core import parallel_state as ps

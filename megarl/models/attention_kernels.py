@@ -5,7 +5,8 @@ All three compute causal attention within the sequences of a packed (THD) row,
     out[i] = sum_j softmax_j(q_i . k_j * scale) v_j   over the keys j of i's sequence at positions <= i's,
 
 with grouped-query attention (h query heads share h / g key/value heads, head n reads group
-n // (h / g)) and differ only in how:
+n // (h / g)), values as wide as the queries or not (multi-latent attention: 192 / 128), and
+differ only in how:
 
 - `varlen` (CUDA, bf16 / fp16): PyTorch's FlashAttention varlen kernel
   (`torch.nn.attention.varlen.varlen_attn`). Causality is the kernel's bottom-right aligned mask,
@@ -138,7 +139,18 @@ def _to_padded(x: torch.Tensor, g: PaddedGroup) -> torch.Tensor:
 
 def sdpa_attention(q, k, v, scale: float, groups: list[PaddedGroup], inverse: torch.Tensor) -> torch.Tensor:
     """Causal attention of a packed row (CP = 1) as one `scaled_dot_product_attention` call per
-    group of `padded_groups`. q [t, h, d], k, v [t, g, d]; returns [t, h, d_v]."""
+    group of `padded_groups`. q [t, h, d], k [t, g, d], v [t, g, d_v]; returns [t, h, d_v].
+
+    Values of another width than the queries (multi-latent attention) are zero-padded to one width
+    as for `varlen_attention`: SDPA's fused kernels take one head width, and its fallback builds its
+    causal mask on the host."""
+    d, dv = q.shape[-1], v.shape[-1]
+    if dv != d:
+        if dv < d:
+            v = F.pad(v, (0, d - dv))
+        else:
+            q, k = F.pad(q, (0, dv - d)), F.pad(k, (0, dv - d))
+        return sdpa_attention(q, k, v, scale, groups, inverse)[..., :dv]
     h, g = q.shape[1], k.shape[1]
     if q.is_cuda and h != g:  # keep CUDA's fp32 (memory-efficient) kernel, which takes no GQA
         k, v = k.repeat_interleave(h // g, dim=1), v.repeat_interleave(h // g, dim=1)
@@ -253,11 +265,24 @@ def check_varlen_inputs(q, k, v, seg: VarlenSegments) -> None:
 
 
 def varlen_attention(q, k, v, scale: float, seg: VarlenSegments, fn=None) -> torch.Tensor:
-    """Causal attention through torch's varlen kernel. q [t_q, h, d]; k, v [t, g, d], read
-    through `seg.key_rows` when given (CP: the gathered keys in sequence order)."""
+    """Causal attention through torch's varlen kernel. q [t_q, h, d]; k [t, g, d], v [t, g, d_v],
+    read through `seg.key_rows` when given (CP: the gathered keys in sequence order).
+
+    The kernel takes one head width: values narrower than the queries (multi-latent attention:
+    d = 192, d_v = 128) are zero-padded to d and the output cut back to d_v (the padded columns
+    of v only add zero columns to the output); wider values pad q and k with zeros instead, which
+    adds 0 to every score (the scale is passed explicitly)."""
     fn = fn or varlen_function()
     if seg.key_rows is not None:
         k, v = k[seg.key_rows], v[seg.key_rows]
+    d, dv = q.shape[-1], v.shape[-1]
+    if dv != d:
+        if dv < d:
+            v = F.pad(v, (0, d - dv))
+        else:
+            q, k = F.pad(q, (0, dv - d)), F.pad(k, (0, dv - d))
+        return varlen_attention(q, k, v, scale, VarlenSegments(seg.cu_q, seg.cu_k, seg.cu_q_dev, seg.cu_k_dev,
+                                                               seg.max_q, seg.max_k), fn)[..., :dv]
     kwargs, repeat = varlen_kwargs(inspect.signature(fn).parameters, q.shape[1], k.shape[1], scale, q.shape[-1])
     if repeat:
         k, v = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1), v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)

@@ -21,6 +21,13 @@ Qwen3-VL-MoE (`ArchSpec.hf_prefix` = `model.language_model.`, `ArchSpec.hf_fused
 experts of a layer in two HF tensors: layouts `experts_gate_up` / `experts_down`
 (`megarl.models.vision.qwen3_vl_bridge`), whose `ParamMap.hf_expert` is the expert's index g in them.
 
+Families named otherwise (`ArchSpec.hf_rules`: DeepSeek-V3 / Kimi-K2's multi-latent attention and
+both its and GLM-4.5's `shared_experts` / `gate.e_score_correction_bias`) register a `FamilyRules`
+in `FAMILY_RULES` (megarl.models.deepseek): layer rules over these, and every HF tensor's shape. A
+router's selection bias is megatron's persistent buffer `mlp.router.expert_bias`: `param_maps`
+lists it after the parameters (`ParamMap.buffer`), so it is loaded, streamed (in float32) and
+saved like a weight, and no optimizer sees it.
+
 Norm names of both layer specs are accepted: local (`input_layernorm`, `pre_mlp_layernorm`) and
 TE, which fuses them into `linear_qkv.layer_norm_weight` / `linear_fc1.layer_norm_weight`.
 Layer indices are global: megatron's own `TransformerLayer.layer_number - 1` (PP/VPP offset).
@@ -30,7 +37,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -64,6 +71,7 @@ _EXPERT_RULES: dict[str, tuple[tuple[str, ...], str]] = {
     "linear_fc2.weight": (("down_proj.weight",), "row"),
 }
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_BUFFERS = ("mlp.router.expert_bias",)  # persistent buffers that are HF tensors (param_maps)
 _EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 VALUE_HEAD_HF_NAME = "score.weight"
 
@@ -79,6 +87,24 @@ class ParamMap:
     optional: bool = False  # may be absent from an HF checkpoint (value head of a fresh critic)
     expert: int | None = None  # local expert slot: sharded over expert-TP, one expert per EP rank
     hf_expert: int | None = None  # fused expert layouts: the expert's index g in the HF tensor
+    buffer: bool = False  # a persistent buffer (router expert_bias): loaded, streamed (in its own
+    # dtype, float32, whatever the stream's dtype) and saved, never trained
+
+
+@dataclass(frozen=True)
+class FamilyRules:
+    """HF naming of a family whose tensors are not named as Qwen / Llama's (`ArchSpec.hf_rules`):
+    layer rules that extend / replace `_LAYER_RULES` and every HF tensor's shape."""
+
+    layer_rules: dict
+    expected_shapes: Callable  # fn(spec, value_head) -> {hf name: shape}
+
+
+FAMILY_RULES: dict[str, FamilyRules] = {}  # ArchSpec.hf_rules -> rules (megarl.models.deepseek)
+
+
+def _layer_rules(spec: ArchSpec) -> dict:
+    return {**_LAYER_RULES, **FAMILY_RULES[spec.hf_rules].layer_rules} if spec.hf_rules else _LAYER_RULES
 
 
 def _ep() -> tuple[int, int]:
@@ -117,9 +143,14 @@ def map_param(name: str, model, spec: ArchSpec) -> ParamMap:
             return ParamMap(name, (f"{prefix}embed_tokens.weight",), "vocab", export=False)
         return ParamMap(name, ("lm_head.weight",), "vocab")
     m = _LAYER_RE.match(name)
-    if m and m.group(2) in _LAYER_RULES:
+    rules = _layer_rules(spec)
+    if m and m.group(2) in rules:
         layer = model.decoder.layers[int(m.group(1))].layer_number - 1
-        suffixes, layout = _LAYER_RULES[m.group(2)]
+        suffixes, layout = rules[m.group(2)]
+        if m.group(2).endswith(_BUFFERS):
+            return ParamMap(name, tuple(f"{prefix}layers.{layer}.{s}" for s in suffixes), layout, buffer=True)
+        if layout == "col" and not getattr(model.get_parameter(name), "tensor_model_parallel", False):
+            layout = "replicated"  # a replicated linear (multi-latent attention's down projections)
         return ParamMap(name, tuple(f"{prefix}layers.{layer}.{s}" for s in suffixes), layout)
     e = _EXPERT_RE.match(m.group(2)) if m else None
     if e and e.group(2) in _EXPERT_RULES:
@@ -139,12 +170,16 @@ def map_param(name: str, model, spec: ArchSpec) -> ParamMap:
 
 
 def param_maps(model, spec: ArchSpec) -> list[tuple[ParamMap, torch.nn.Parameter]]:
-    """(ParamMap, parameter) for every parameter of one unwrapped GPTModel chunk."""
-    return [(map_param(n, model, spec), p) for n, p in model.named_parameters()]
+    """(ParamMap, parameter) for every parameter of one unwrapped GPTModel chunk, then
+    (ParamMap, buffer) for its persistent buffers that are HF tensors (routers' expert_bias)."""
+    out = [(map_param(n, model, spec), p) for n, p in model.named_parameters()]
+    return out + [(map_param(n, model, spec), b) for n, b in model.named_buffers() if n.endswith(_BUFFERS)]
 
 
 def expected_hf_shapes(spec: ArchSpec, value_head: bool = False) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every HF tensor of the whole model (all stages)."""
+    if spec.hf_rules:
+        return FAMILY_RULES[spec.hf_rules].expected_shapes(spec, value_head)
     h, d, f, prefix = spec.hidden_size, spec.head_dim, spec.ffn_hidden_size, spec.hf_prefix
     q, kv = spec.num_attention_heads * d, spec.num_query_groups * d
     shapes = {f"{prefix}embed_tokens.weight": (spec.vocab_size, h), f"{prefix}norm.weight": (h,)}

@@ -105,8 +105,17 @@ def transformer_config(spec: ArchSpec, *, dtype: torch.dtype = torch.float32,
         overrides = {k: v for k, v in overrides.items() if not k.startswith("moe_")}
     if spec.mrope_section:  # M-RoPE of vision-language models (megarl.models.vision)
         kwargs["mrope_section"] = list(spec.mrope_section)
+    config_class = TransformerConfig
+    if spec.mla is not None:  # multi-latent attention (megarl.models.mla)
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        from megarl.models.mla import mla_config_fields, prepare_megatron_mla
+
+        prepare_megatron_mla()
+        config_class = MLATransformerConfig
+        kwargs.update(mla_config_fields(spec.mla, spec.rope_theta))
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    return config_class(**kwargs)
 
 
 def _define_missing_te_gemm() -> None:
@@ -120,40 +129,62 @@ def _define_missing_te_gemm() -> None:
 
 
 def moe_config_fields(spec: ArchSpec) -> dict[str, Any]:
-    """TransformerConfig MoE fields reproducing HF Qwen-MoE routing (`ArchSpec` doc).
+    """TransformerConfig MoE fields reproducing HF Qwen-MoE routing (`ArchSpec` doc), and
+    DeepSeek-V3 / GLM-4.5's (megarl.models.deepseek): sigmoid scores, the selection bias as
+    megatron's expert_bias buffer (not updated: moe_router_bias_update_rate 0 unless the trainer's
+    overrides set model.moe_expert_bias_update_rate), expert groups, the routed scaling factor,
+    dense first layers (moe_layer_freq), an ungated shared expert.
 
     norm_topk_prob: softmax over the top-k logits == top-k of softmax(logits) renormalised
     (megatron's post-softmax routing); otherwise softmax over all experts before top-k
     (moe_router_pre_softmax). The router runs in fp32; no load-balancing loss unless the
     trainer's overrides ask for one (RL default); sequential (not grouped) experts."""
     shared = spec.shared_expert_ffn_hidden_size
-    return dict(
+    fields = dict(
         num_moe_experts=spec.num_experts,
         moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
         moe_router_topk=spec.moe_topk,
-        moe_router_score_function="softmax",
-        moe_router_pre_softmax=not spec.norm_topk_prob,
+        moe_router_score_function=spec.moe_score_function,
+        moe_router_pre_softmax=not spec.norm_topk_prob and spec.moe_score_function == "softmax",
         moe_router_dtype="fp32",
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
         moe_grouped_gemm=False,
         moe_shared_expert_intermediate_size=shared or None,
-        moe_shared_expert_gate=bool(shared),
+        moe_shared_expert_gate=bool(shared) and spec.shared_expert_gated,
     )
+    if spec.moe_expert_bias:  # DeepSeek-V3 / GLM-4.5 (megarl.models.deepseek): a frozen selection bias
+        from megarl.models.deepseek import prepare_megatron_routers
+
+        prepare_megatron_routers()
+        fields.update(moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0)
+    if spec.moe_num_groups:
+        fields.update(moe_router_num_groups=spec.moe_num_groups, moe_router_group_topk=spec.moe_group_topk)
+    if spec.moe_scaling_factor != 1.0:
+        fields["moe_router_topk_scaling_factor"] = spec.moe_scaling_factor
+    if spec.moe_first_dense:  # dense MLPs in the first layers
+        k = spec.moe_first_dense
+        fields["moe_layer_freq"] = [0] * k + [1] * (spec.num_layers - k)
+    return fields
 
 
-def layer_spec(spec: ArchSpec, impl: str = "local"):
+def layer_spec(spec: ArchSpec, impl: str = "local", dense: bool = False):
     """Layer spec: Transformer Engine ("te" / "transformer_engine": fused norms in linear_qkv /
     linear_fc1; verified only on GPU) or "local": megatron's local modules with megarl's core
     attention (`megarl.models.attention.LocalAttention`: packed sequences, context parallelism,
-    memory linear in the sequence length)."""
+    memory linear in the sequence length). Multi-latent attention when `spec.mla` (its q / kv
+    latent norms are megarl's RMSNorm in the local spec); dense=True: a dense MLP even in an MoE
+    model (its first `moe_first_dense` layers)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
+    experts = None if dense else spec.num_experts or None
+    mla = spec.mla is not None
     if impl in ("te", "transformer_engine"):
         if not te_available():
             raise RuntimeError("impl='te' needs Transformer Engine (not importable here); use impl='local'")
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=spec.num_experts or None, moe_grouped_gemm=False, qk_layernorm=spec.qk_layernorm)
+            num_experts=experts, moe_grouped_gemm=False, qk_layernorm=spec.qk_layernorm or mla,
+            multi_latent_attention=mla)
     if impl != "local":
         raise ValueError(f"impl must be 'local', 'te' or 'transformer_engine', got {impl!r}")
     from megarl.models.attention import LocalAttention
@@ -161,28 +192,43 @@ def layer_spec(spec: ArchSpec, impl: str = "local"):
     from megarl.models.norm import RMSNorm
 
     lspec = gpt_layer_specs.get_gpt_layer_local_spec(
-        num_experts=spec.num_experts or None, moe_grouped_gemm=False, normalization="RMSNorm",
-        qk_layernorm=spec.qk_layernorm)
+        num_experts=experts, moe_grouped_gemm=False, normalization="RMSNorm",
+        qk_layernorm=spec.qk_layernorm or mla, multi_latent_attention=mla)
     sub = lspec.submodules
-    sub.self_attention.submodules.core_attention = LocalAttention
+    attn = sub.self_attention.submodules
+    attn.core_attention = LocalAttention
     sub.input_layernorm = sub.pre_mlp_layernorm = RMSNorm  # sequence-parallel capable (megarl.models.norm)
-    if spec.qk_layernorm:
-        sub.self_attention.submodules.q_layernorm = sub.self_attention.submodules.k_layernorm = RMSNorm
+    if mla:
+        from megarl.models.mla import LatentRMSNorm, local_down_projection
+
+        attn.q_layernorm = attn.kv_layernorm = LatentRMSNorm
+        attn.linear_q_down_proj = attn.linear_kv_down_proj = local_down_projection()
+    elif spec.qk_layernorm:
+        attn.q_layernorm = attn.k_layernorm = RMSNorm
     return lspec
 
 
-def block_spec(lspec, config, impl: str, vp_stage: int | None):
-    """The transformer block of one chunk: `lspec` for each of its layers; with the local spec, the
-    final norm is megarl's sequence-parallel capable RMSNorm (megatron's default for a layer spec is
-    torch's, which refuses sequence parallelism)."""
-    if impl in ("te", "transformer_engine"):
+def block_spec(lspec, config, impl: str, vp_stage: int | None, dense_lspec=None, first_dense: int = 0):
+    """The transformer block of one chunk: `lspec` for each of its layers, `dense_lspec` for those
+    among the model's first `first_dense` (global index); with the local spec, the final norm is
+    megarl's sequence-parallel capable RMSNorm (megatron's default for a layer spec is torch's,
+    which refuses sequence parallelism)."""
+    te = impl in ("te", "transformer_engine")
+    if te and not first_dense:
         return lspec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+    n = get_num_layers_to_build(config, vp_stage=vp_stage)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage) if first_dense else 0
+    specs = [dense_lspec if offset + i < first_dense else lspec for i in range(n)]
+    if te:
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        return TransformerBlockSubmodules(layer_specs=specs, layer_norm=TENorm)
     from megarl.models.norm import RMSNorm
 
-    return TransformerBlockSubmodules(layer_specs=[lspec] * get_num_layers_to_build(config, vp_stage=vp_stage),
-                                      layer_norm=RMSNorm)
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=RMSNorm)
 
 
 def _mask_padded_vocab_hook(vocab_size: int, padded: int):
@@ -230,19 +276,23 @@ def build_model(hf_config: Any, *, dtype: torch.dtype | str = torch.float32, imp
     tied = spec.tie_word_embeddings and not value_head
     config = transformer_config(spec, dtype=dtype, overrides=config_overrides)
     lspec = layer_spec(spec, impl)
-    # a vision-language config keeps the LM's RoPE settings in text_config
-    inv_freq = hf_inv_freq(hf_config.text_config if spec.vision is not None else hf_config, spec.head_dim)
+    dense_lspec = layer_spec(spec, impl, dense=True) if spec.moe_first_dense else None
+    # a vision-language config keeps the LM's RoPE settings in text_config; multi-latent attention
+    # has its own rotary module per layer (megarl.models.mla)
+    inv_freq = None if spec.mla is not None else hf_inv_freq(
+        hf_config.text_config if spec.vision is not None else hf_config, int(spec.head_dim * spec.rotary_percent))
     vp_size = ps.get_virtual_pipeline_model_parallel_world_size()
     chunks = []
     for vp_stage in range(vp_size or 1):
         vp = vp_stage if vp_size else None
         kwargs = dict(
-            config=config, transformer_layer_spec=block_spec(lspec, config, impl, vp), vocab_size=vocab,
+            config=config, vocab_size=vocab,
+            transformer_layer_spec=block_spec(lspec, config, impl, vp, dense_lspec, spec.moe_first_dense),
             max_sequence_length=spec.max_position_embeddings,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
             share_embeddings_and_output_weights=tied, position_embedding_type="rope",
-            rotary_base=spec.rope_theta, vp_stage=vp,
+            rotary_base=spec.rope_theta, rotary_percent=spec.rotary_percent, vp_stage=vp,
         )
         if value_head and spec.vision is not None:  # a vision-language critic
             from megarl.models.value_head import value_model_class
@@ -259,7 +309,8 @@ def build_model(hf_config: Any, *, dtype: torch.dtype | str = torch.float32, imp
             model = model_class(spec)(arch_spec=spec, **kwargs)
         else:
             model = GPTModel(**kwargs)
-        model.rotary_pos_emb.inv_freq = inv_freq.clone().to(model.rotary_pos_emb.inv_freq.device)
+        if inv_freq is not None:
+            model.rotary_pos_emb.inv_freq = inv_freq.clone().to(model.rotary_pos_emb.inv_freq.device)
         model.hf_vocab_size = spec.vocab_size  # true vocabulary (padding stripped on export)
         model.arch_spec = spec
         if model.post_process and not value_head and mask_padded_vocab and vocab > spec.vocab_size:

@@ -3,8 +3,9 @@
 A family turns an HF `PretrainedConfig` into `ArchSpec`, the architecture facts megatron-core
 needs (head layout, biases, q/k norms, RoPE, experts). The dense families (Qwen2/2.5, Qwen3,
 Llama 3) and the MoE families (Qwen3-MoE, Qwen2-MoE with its sigmoid-gated shared expert) share
-one weight bridge (`megarl.models.bridge`); they differ only in the facts extracted here. New
-families register with `@register_family("model_type")`.
+one weight bridge (`megarl.models.bridge`); they differ only in the facts extracted here.
+DeepSeek-V3 / Kimi-K2 (multi-latent attention) and GLM-4.5 live in `megarl.models.deepseek` with
+their own HF naming rules. New families register with `@register_family("model_type")`.
 """
 
 from __future__ import annotations
@@ -48,6 +49,26 @@ class ArchSpec:
     moe_ffn_hidden_size: int = 0
     norm_topk_prob: bool = False
     shared_expert_ffn_hidden_size: int = 0
+    # DeepSeek-V3 / Kimi-K2 / GLM-4.5 MoE (megarl.models.deepseek): scores sigmoid(logits), chosen
+    # with a per-expert selection bias (HF e_score_correction_bias, megatron expert_bias) from the
+    # best `moe_group_topk` of `moe_num_groups` expert groups (0 = no groups), the chosen scores
+    # renormalised and times `moe_scaling_factor`; the first `moe_first_dense` layers dense; the
+    # shared expert without a gate when not `shared_expert_gated`.
+    moe_score_function: str = "softmax"
+    moe_expert_bias: bool = False
+    moe_num_groups: int = 0
+    moe_group_topk: int = 0
+    moe_scaling_factor: float = 1.0
+    moe_first_dense: int = 0
+    shared_expert_gated: bool = True
+    # Attention variants: the rotated fraction of each head (GLM-4.5: 0.5) and multi-latent
+    # attention (a `megarl.models.mla.MLASpec`; None = standard attention)
+    rotary_percent: float = 1.0
+    mla: Any = None
+    # HF naming: "" = the Qwen / Llama rules of megarl.models.bridge, else a rule set registered in
+    # bridge.FAMILY_RULES; HF layers past num_layers (multi-token prediction) are skipped on load
+    hf_rules: str = ""
+    mtp_layers: int = 0
     # Vision-language models (megarl.models.vision): M-RoPE sections [t, h, w] of head_dim / 2
     # (None = plain 1-D RoPE) and the vision tower's facts (a `VisionSpec`; None = text only).
     mrope_section: tuple[int, ...] | None = None

@@ -56,7 +56,7 @@ def sequence_parallel_slice(n_tokens: int, config) -> slice:
 def check_routing_shape(routed: torch.Tensor, config) -> None:
     if routed.dim() != 3 or routed.shape[1] != config.num_layers or routed.shape[2] != config.moe_router_topk:
         raise ValueError(f"routed_experts has shape {tuple(routed.shape)}; the model routes [tokens, "
-                         f"{config.num_layers} layers, top-{config.moe_router_topk}] (every layer MoE)")
+                         f"{config.num_layers} layers, top-{config.moe_router_topk}] (every layer, dense ones included)")
 
 
 def set_replay(chunk, routed: torch.Tensor | None) -> None:

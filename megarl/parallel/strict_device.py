@@ -150,8 +150,10 @@ class _StrictDispatch(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if marked and name not in _MIXED_OK:
             # autograd fills an unused empty split's gradient with an untagged zeros((0,)) that its
-            # backward then cats (MoE experts that got no token): no data, no device to get wrong
-            host = [t for t in tensors if t.dim() > 0 and not on_device(t) and not (name == "cat" and t.numel() == 0)]
+            # backward then cats (MoE experts that got no token) or sends back through the MoE
+            # all-to-all (an EP rank that got no token): no data, no device to get wrong
+            host = [t for t in tensors if t.dim() > 0 and not on_device(t)
+                    and not (name in ("cat", "alltoall_base_") and t.numel() == 0)]
             if host:
                 raise DeviceMismatchError(
                     f"{func}: expected all tensors on the same device, got cuda and cpu tensors "
@@ -188,7 +190,10 @@ def _check_collective(name: str, args, kwargs) -> None:
         return
     tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     tensors += [op.tensor for lst in ops for op in lst]
-    host = [tuple(t.shape) for t in tensors if not on_device(t)]
+    # an empty tensor is exempt: autograd fills the gradient of an empty output (an EP rank that
+    # routed no token to another, the norm under group-limited routing) with zeros in C++, where
+    # this mode cannot mark it; on a GPU that tensor is on the output's device
+    host = [tuple(t.shape) for t in tensors if not on_device(t) and t.numel()]
     if host:
         raise DeviceMismatchError(f"torch.distributed.{name}: host tensors {host} in a collective of an NCCL group "
                                   "(No backend type associated with device type cpu); use device tensors")

@@ -23,6 +23,10 @@ Mixture of experts (qwen3_moe, qwen2_moe): P_gpu = P_dense + P_expert, where P_d
   expert-data-parallel group, EDP = world / (ETP * EP * PP):
   optimizer  12 * P_dense / (DP * CP) + 12 * P_expert / EDP.
   MoE activations, dispatcher (alltoall) and grouped GEMM buffers: megarl/planner/activations.py.
+DeepSeek-V3 / Kimi-K2 / GLM-4.5: the first dense_layers layers hold a dense MLP (no experts), the
+  shared expert has no gate, the router a bias of E; multi-latent attention's parameters,
+  activations and latent KV cache (the same on every engine GPU), and the engine's weights in one
+  byte per parameter for a block-FP8 checkpoint: megarl/planner/mla.py.
 Vision-language models (qwen2_5_vl, qwen3_vl, qwen3_vl_moe; the LM's fields from text_config or
   the top level, an MoE LM as above; megarl/planner/vision.py): the vision tower (VisionTower) sits on the first pipeline
   stage with its linears split over TP as megarl shards them (norms, patch embedding, position

@@ -123,14 +123,21 @@ def moe_buffer_bytes(arch: Arch, cfg: MegaRLConfig, local_tokens: float, imbalan
     return dispatch + 6.0 * k * t * fe * imbalance
 
 
-def activation_bytes_per_token_layer(arch: Arch, cfg: MegaRLConfig, seq_len: float, moe_imbalance: float = 1.0) -> float:
-    """Bytes kept per token per layer for backward (see module doc; Korthikanti et al. 2022)."""
+def activation_bytes_per_token_layer(arch: Arch, cfg: MegaRLConfig, seq_len: float, moe_imbalance: float = 1.0,
+                                     moe_layer: bool = True) -> float:
+    """Bytes kept per token per layer for backward (see module doc; Korthikanti et al. 2022);
+    moe_layer=False: a dense layer of an MoE model (DeepSeek-V3's first layers: 6*ffn, no M).
+    Multi-latent attention replaces 4ad + 4gd by its own terms (megarl/planner/mla.py)."""
     m, tp = cfg.model, cfg.parallel.tp
     h, a, g, d = arch.hidden, arch.heads, arch.kv_heads, arch.head_dim
-    f = arch.shared_ffn if arch.num_experts else arch.ffn
-    replicated = 8.0 * h
-    sharded = 4.0 * a * d + 4.0 * g * d + 6.0 * f + core_attention_bytes_per_token(arch, cfg, seq_len)
-    moe = moe_bytes_per_local_token(arch, cfg, moe_imbalance)
+    moe_layer = moe_layer and bool(arch.num_experts)
+    f = arch.shared_ffn if moe_layer else arch.ffn
+    replicated, attention = 8.0 * h, 4.0 * a * d + 4.0 * g * d
+    if arch.mla is not None:
+        latents, attention = arch.mla.activation_bytes(a)
+        replicated += latents
+    sharded = attention + 6.0 * f + core_attention_bytes_per_token(arch, cfg, seq_len)
+    moe = moe_bytes_per_local_token(arch, cfg, moe_imbalance) if moe_layer else 0.0
     if m.sequence_parallel:
         return (replicated + sharded + moe) / tp
     return replicated + sharded / tp + moe
@@ -215,7 +222,9 @@ def activation_bytes(arch: Arch, cfg: MegaRLConfig, role: str, moe_imbalance: fl
     seq_len = min(budget, cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
     kv_kept, kv_transient = cp_kv_exchange_bytes(arch, cfg, budget)
     per_layer = s * activation_bytes_per_token_layer(arch, cfg, seq_len, moe_imbalance)
-    layers = math.ceil(arch.layers / p.pp)
+    dense_layers, moe_layers = arch.stage_layers(p.pp, p.pp - 1)  # the stage with the most MoE layers
+    per_dense = s * activation_bytes_per_token_layer(arch, cfg, seq_len, moe_imbalance, moe_layer=False)
+    layers = dense_layers + moe_layers
     if m.recompute == "full":  # chunk inputs kept, whole layers only for the chunk being recomputed
         chunk_input = s * 2.0 * arch.hidden / (p.tp if m.sequence_parallel else 1)
         k = min(m.recompute_num_layers, layers)
@@ -226,7 +235,10 @@ def activation_bytes(arch: Arch, cfg: MegaRLConfig, role: str, moe_imbalance: fl
     else:
         inputs, full_layers = 0.0, layers
     inflight = p.pp * (1 + (p.pp - 1) / (p.pp * p.vpp)) if p.vpp else p.pp
-    layer_acts = (inputs + full_layers * per_layer) * inflight
+    if m.recompute == "full":  # the layers recomputed at a time: as an MoE layer (the larger)
+        layer_acts = (inputs + full_layers * max(per_layer, per_dense)) * inflight
+    else:
+        layer_acts = (inputs + dense_layers * per_dense + moe_layers * per_layer) * inflight
     kv_exchange = full_layers * kv_kept * inflight + kv_transient
     workspace = attention_workspace_bytes(arch, cfg, budget, seq_len)
     logits = 0.0 if role == "critic" else logits_bytes(arch, cfg, s)

@@ -86,13 +86,22 @@ def plan(cfg: MegaRLConfig, arch: Arch, hf: dict, gpu: GPU, reserve_gib: float =
 
     # rollout phase: engine share (static reservation) + whatever training state stays resident
     engine_share = r.mem_fraction * cap
-    engine_weights = 2.0 * arch.total_params() / p.rollout_tp
+    engine_weights = arch.engine_weight_bytes(p.rollout_tp)
     kv_pool = engine_share - engine_weights
     kv_tokens = max(kv_pool, 0.0) / arch.kv_bytes_per_token(p.rollout_tp)
     resident_rollout = 0.0 if r.offload_train_state else sum(s.resident for s in states)
     rollout_peak = resident_rollout + engine_share + reserve
     longest = cfg.data.max_prompt_len + r.max_new_tokens
-    if kv_tokens < longest:
+    if engine_weights >= engine_share:
+        fmt = "block-FP8" if arch.fp8 else "bf16"
+        bigger = "" if arch.fp8 else ", or start the engine from an FP8 checkpoint (half the bytes)"
+        problems.append(
+            f"rollout: one engine's {fmt} weights need {engine_weights / GIB:.1f} GiB per GPU at rollout_tp="
+            f"{p.rollout_tp}, more than its share rollout.mem_fraction x capacity = {engine_share / GIB:.1f} GiB, "
+            "leaving no KV cache; "
+            f"an engine spans at most one node (rollout_tp <= gpus_per_node = {p.gpus_per_node}): the model does not "
+            f"fit one engine of these GPUs; use GPUs with more memory{bigger}")
+    elif kv_tokens < longest:
         problems.append(f"rollout: the engine's KV cache holds {kv_tokens:,.0f} tokens per GPU group, less than one "
                         f"longest sequence ({longest:,}); raise rollout.mem_fraction or parallel.rollout_tp")
     if rollout_peak > cap:
@@ -142,7 +151,7 @@ def step_time(cfg: MegaRLConfig, arch: Arch, gpu: GPU, world: int, kv_tokens: fl
     n_critic = arch.active_params(value_head=True)
     samples = r.prompts_per_step * r.n_samples_per_prompt
     tokens = samples * seq
-    attn_fwd_per_token = 4.0 * arch.layers * arch.heads * arch.head_dim * (seq / 2)
+    attn_fwd_per_token = 2.0 * arch.layers * arch.heads * (arch.head_dim + arch.value_dim) * (seq / 2)
 
     # the vision tower: forward FLOPs of a sample's images, never recomputed (3 passes to train)
     tower = images.per_sample * arch.vision.forward_flops(images.patches) if images and arch.vision else 0.0
@@ -164,7 +173,7 @@ def step_time(cfg: MegaRLConfig, arch: Arch, gpu: GPU, world: int, kv_tokens: fl
     seqs_per_engine = math.ceil(gen_prompts * r.n_samples_per_prompt / max(engines, 1))
     concurrent = max(1, min(seqs_per_engine, int(kv_tokens // seq)))
     steps = max(gen_cap, math.ceil(seqs_per_engine * resp / concurrent))
-    weight_bytes = 2.0 * arch.lm_params() / p.rollout_tp  # a decode batch touches nearly every expert (not the tower)
+    weight_bytes = arch.engine_weight_bytes(p.rollout_tp, lm_only=True)  # a decode batch touches nearly every expert
     kv_read = concurrent * (seq / 2) * arch.kv_bytes_per_token(p.rollout_tp)
     t_mem = (weight_bytes + kv_read) / (gpu.hbm_bytes_per_s * decode_eff)
     t_flops = 2.0 * n_actor * concurrent / (p.rollout_tp * gpu.bf16_flops * decode_eff)

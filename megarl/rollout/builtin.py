@@ -1,12 +1,13 @@
 """Builtin rollout engine: batched generation with a preallocated KV cache, pure torch.
 
 Runs on CPU (tests, quickstart) and on one GPU (small runs). Architecture: `torch_model.DecoderLM`
-(Qwen2/2.5, Qwen3, Llama 3, Qwen3-MoE, Qwen2-MoE) or `torch_vlm.VisionLM` (Qwen2.5-VL); sampling:
-`sampling.py`.
+(Qwen2/2.5, Qwen3, Llama 3, Qwen3-MoE, Qwen2-MoE), `torch_vlm.VisionLM` (Qwen2.5-VL) or
+`torch_qwen3_vl.Qwen3VisionLM` (Qwen3-VL, Qwen3-VL-MoE); sampling: `sampling.py`.
 
-Images (Qwen2.5-VL): `generate(..., images=[PromptImages | HF processor dict | None per prompt])`;
-the tower runs once per prompt at prefill, M-RoPE positions as HF (`torch_vlm`); samples keep
-their images (`Sample.images`) for `continue_samples`.
+Images and videos (vision-language models): `generate(..., images=[PromptImages | HF processor
+dict | None per prompt])`; the tower runs once per prompt and modality at prefill, M-RoPE
+positions as HF (`torch_vlm`), DeepStack features added in prefill (Qwen3-VL); samples keep their
+images (`Sample.images`) for `continue_samples`.
 
 Batching. Prompts are left-padded so every row writes the same cache slot at each decode step;
 positions start at 0 at each row's first real token and pad keys are masked. With `n > 1` each
@@ -53,7 +54,9 @@ from megarl.rollout.torch_model import (
     DecoderLM, KVCache, ModelArgs, check_kv_cache_budget, model_args_from_hf_config)
 from megarl.rollout.torch_moe import RoutingTape, sample_routing
 # registers the vision-language families of MODEL_FAMILIES (model_args_from_hf_config)
-from megarl.rollout.torch_vlm import VisionLM, check_images, hf_param_name
+from megarl.rollout.torch_qwen3_vl import vision_lm_class
+from megarl.rollout.torch_mla import past_last_layer  # (also registers deepseek_v3, kimi_k2, glm4_moe)
+from megarl.rollout.torch_vlm import check_images, hf_param_name
 from megarl.rollout.types import PromptImages, Sample, SamplingParams
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -104,9 +107,10 @@ class BuiltinEngine:
         self.eos_token_ids = list(dict.fromkeys(int(t) for t in eos_token_ids))
         self.max_context = min(max_context or self.args.max_position_embeddings,
                                self.args.max_position_embeddings)
-        model_cls = DecoderLM if self.args.vision is None else VisionLM
+        model_cls = DecoderLM if self.args.vision is None else vision_lm_class(self.args)
         self.model = model_cls.empty(self.args, self.dtype, self.device)
         self._shapes = {n: p.shape for n, p in self.model.named_parameters()}
+        self._dtypes = {n: p.dtype for n, p in self.model.named_parameters()}  # a router bias stays float32
         self._loaded: set[str] = set()
         self.weight_version = 0
         self._released = False
@@ -179,7 +183,7 @@ class BuiltinEngine:
         self.weight_version += 1
 
     def _param_key(self, name: str) -> str | None:
-        if name.endswith(_IGNORED_SUFFIXES):
+        if name.endswith(_IGNORED_SUFFIXES) or past_last_layer(name, self.args):
             return None
         if self.args.vision is not None:
             name = hf_param_name(name)
@@ -208,7 +212,7 @@ class BuiltinEngine:
             return
         for name, param in self.model.named_parameters():
             if self._discarded:
-                param.data = torch.empty(self._shapes[name], dtype=self.dtype, device=self.device)
+                param.data = torch.empty(self._shapes[name], dtype=self._dtypes[name], device=self.device)
             elif self.device.type != "cpu":
                 param.data = param.data.to(self.device)
         self._released = self._discarded = False
@@ -350,8 +354,8 @@ class BuiltinEngine:
         prompts with long carried responses, and one padded batch would compute mostly padding.
         Slots left of a group's width are zeroed (they are masked, and 0 * NaN garbage is NaN).
         With a routing tape, also each context's experts [len, layers, k] (else Nones). `vision`
-        (vision-language models): each context's `torch_vlm.VisionContext` (M-RoPE positions and
-        image embeddings)."""
+        (vision-language models): each context's `torch_vlm.VisionContext` (M-RoPE positions,
+        image / video embeddings, DeepStack features)."""
         dev, lens = self.device, [len(c) for c in contexts]
         routing: list[torch.Tensor | None] = [None] * len(contexts)
         groups: dict[int, list[int]] = {}
@@ -372,7 +376,7 @@ class BuiltinEngine:
             part = KVCache.allocate(self.args, len(members), L, self.dtype, dev)
             extra = {}
             if vision is not None:
-                positions, extra["embeds"] = self.model.prefill_inputs(tokens.to(dev), [vision[i] for i in members])
+                positions, extra = self.model.prefill_inputs(tokens.to(dev), [vision[i] for i in members])
             out = self.model(tokens.to(dev), positions, part, 0, mask[:, None], **extra)
             if tape is not None:
                 rec = tape.take()

@@ -14,6 +14,7 @@ cos/sin computed in fp32 and cast to the activation dtype, `rotate_half` RoPE la
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +54,9 @@ class ModelArgs:
     shared_expert_intermediate_size: int = 0
     mrope_section: tuple[int, ...] = ()  # qwen2_5_vl: M-RoPE chunks of head_dim / 2 (`torch_vlm`)
     vision: Any = None  # qwen2_5_vl: `megarl.models.vision.spec.VisionSpec` of the vision tower
+    # DeepSeek-V3 / Kimi-K2 / GLM-4.5 (`megarl.rollout.torch_mla`): the family's own layers, RoPE
+    # and cache layout (`layer`, `rope`, `cache_shapes`, `cache_detail`); None for the rest
+    variant: Any = None
 
 
 def _get(cfg: dict, key: str, default: Any = None) -> Any:
@@ -155,8 +159,11 @@ def rope_inv_freq(args: ModelArgs) -> tuple[torch.Tensor, float]:
     llama3:  wavelen = 2π / inv_freq; wavelen > L/low_ff -> inv_freq / factor; wavelen < L/high_ff
              -> unchanged; otherwise (1 - s) * inv_freq / factor + s * inv_freq with
              s = (L / wavelen - low_ff) / (high_ff - low_ff), L = original_max_position_embeddings.
-    The scale (`attention_factor`) is 1 for all three.
+    The scale (`attention_factor`) is 1 for all three. A family variant computes its own
+    (`torch_mla`: YaRN, partial RoPE).
     """
+    if args.variant is not None:
+        return args.variant.rope(args)
     rope_type = scaling_type(args.rope_scaling)
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"config.json: rope type {rope_type!r} is not supported by the builtin "
@@ -196,10 +203,21 @@ class RMSNorm(nn.Module):
 GIB = 1024**3
 
 
+def cache_shapes(args: ModelArgs, batch: int, max_len: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """One layer's key and value buffer shapes, [batch, kv_heads, max_len, head_dim] each (a family
+    variant's own: multi-latent attention caches its latent, `torch_mla`)."""
+    if args.variant is not None:
+        return args.variant.cache_shapes(args, batch, max_len)
+    shape = (batch, args.num_kv_heads, max_len, args.head_dim)
+    return shape, shape
+
+
 def kv_cache_bytes(args: ModelArgs, batch: int, max_len: int, dtype: torch.dtype) -> int:
-    """Bytes of a KV cache: layers * 2 (K, V) * batch * max_len * kv_heads * head_dim * element size."""
+    """Bytes of a KV cache: layers * (key + value buffer elements) * element size, i.e.
+    layers * 2 (K, V) * batch * max_len * kv_heads * head_dim * element size for standard attention."""
     element = torch.empty(0, dtype=dtype).element_size()
-    return args.num_layers * 2 * batch * max_len * args.num_kv_heads * args.head_dim * element
+    k, v = cache_shapes(args, batch, max_len)
+    return args.num_layers * (math.prod(k) + math.prod(v)) * element
 
 
 class KVCacheBudgetError(ValueError):
@@ -214,15 +232,22 @@ def check_kv_cache_budget(args: ModelArgs, batch: int, max_len: int, dtype: torc
     if budget_gib is not None and need > budget_gib * GIB:
         raise KVCacheBudgetError(
             f"rollout KV cache needs {need / GIB:.4g} GiB > rollout.kv_cache_gb={budget_gib:g} GiB "
-            f"({args.num_layers} layers x 2 x {batch} sequences x {max_len} tokens x {args.num_kv_heads} KV heads "
-            f"x {args.head_dim} x {torch.empty(0, dtype=dtype).element_size()} bytes); lower rollout.max_new_tokens "
+            f"({args.num_layers} layers x {_cache_detail(args, batch, max_len)} x "
+            f"{torch.empty(0, dtype=dtype).element_size()} bytes); lower rollout.max_new_tokens "
             "or data.max_prompt_len, generate fewer sequences per engine (rollout.prompts_per_step, "
             "rollout.gen_batch_prompts, rollout.n_samples_per_prompt, or more ranks), or raise rollout.kv_cache_gb")
     return need
 
 
+def _cache_detail(args: ModelArgs, batch: int, max_len: int) -> str:
+    if args.variant is not None:
+        return args.variant.cache_detail(args, batch, max_len)
+    return f"2 x {batch} sequences x {max_len} tokens x {args.num_kv_heads} KV heads x {args.head_dim}"
+
+
 class KVCache:
-    """Per-layer key/value buffers [B, n_kv_heads, max_len, head_dim], preallocated once.
+    """Per-layer key/value buffers [B, n_kv_heads, max_len, head_dim], preallocated once (a family
+    variant's own shapes, `cache_shapes`; dim 2 is always the token slot).
 
     Rows are sequences; slots are aligned across rows (prompts are left-padded). Row selection and
     repetition replace one layer at a time, so they need one layer's buffers on top of the cache,
@@ -235,9 +260,9 @@ class KVCache:
     @classmethod
     def allocate(cls, args: ModelArgs, batch: int, max_len: int, dtype: torch.dtype,
                  device: torch.device) -> "KVCache":
-        shape = (batch, args.num_kv_heads, max_len, args.head_dim)
-        return cls([torch.empty(shape, dtype=dtype, device=device) for _ in range(args.num_layers)],
-                   [torch.empty(shape, dtype=dtype, device=device) for _ in range(args.num_layers)])
+        k, v = cache_shapes(args, batch, max_len)
+        return cls([torch.empty(k, dtype=dtype, device=device) for _ in range(args.num_layers)],
+                   [torch.empty(v, dtype=dtype, device=device) for _ in range(args.num_layers)])
 
     @property
     def nbytes(self) -> int:
@@ -302,16 +327,18 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, index: int = 0):
         super().__init__()
-        self.self_attn = Attention(args)
-        if args.num_experts:
+        if args.variant is not None:  # the family's attention and MLP of layer `index` (torch_mla)
+            self.self_attn, self.mlp = args.variant.layer(args, index)
+        elif args.num_experts:
             from megarl.rollout.torch_moe import SparseMoE
 
+            self.self_attn = Attention(args)
             self.mlp = SparseMoE(args.hidden_size, args.num_experts, args.moe_topk, args.moe_intermediate_size,
                                  args.norm_topk_prob, args.shared_expert_intermediate_size)
         else:
-            self.mlp = MLP(args)
+            self.self_attn, self.mlp = Attention(args), MLP(args)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -324,7 +351,7 @@ class _Backbone(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
 

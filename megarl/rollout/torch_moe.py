@@ -63,19 +63,30 @@ class SparseMoE(nn.Module):
 
 class RoutingTape:
     """Collects the experts every MoE block of `model` selects, one forward at a time:
-    `take()` -> [tokens, layers, k] int16 of the last forward (tokens row-major over [batch, time])."""
+    `take()` -> [tokens, layers, k] int16 of the last forward (tokens row-major over [batch, time]).
+    A model whose first layers are dense (DeepSeek-V3, GLM-4.5: `model.model.layers[i].mlp` not a
+    SparseMoE) gets experts 0..k-1 in their rows, as every layer has a row (SGLang's layout too);
+    nothing reads them (only MoE layers replay)."""
 
     def __init__(self, model: nn.Module):
         self.blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
+        layers = getattr(getattr(model, "model", None), "layers", None)
+        self.is_moe = ([isinstance(getattr(layer, "mlp", None), SparseMoE) for layer in layers]
+                       if layers is not None else [True] * len(self.blocks))
+        if sum(self.is_moe) != len(self.blocks):
+            self.is_moe = [True] * len(self.blocks)
         for b in self.blocks:
             b.routing_log = []
 
     def take(self) -> torch.Tensor:
-        per_layer = []
+        moe = []
         for b in self.blocks:
             if len(b.routing_log) != 1:
                 raise RuntimeError(f"routing tape: expected one forward per take, got {len(b.routing_log)}")
-            per_layer.append(b.routing_log.pop())
+            moe.append(b.routing_log.pop())
+        filler = torch.arange(moe[0].shape[1], device=moe[0].device).expand(moe[0].shape[0], -1)
+        logged = iter(moe)
+        per_layer = [next(logged) if is_moe else filler for is_moe in self.is_moe]
         return torch.stack(per_layer, dim=1).to(torch.int16).cpu()
 
     def close(self) -> None:

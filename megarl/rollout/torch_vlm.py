@@ -15,7 +15,10 @@ Numerics follow transformers 5.19 `models/qwen2_5_vl/modeling_qwen2_5_vl.py`:
   concatenated, Linear + GELU + Linear; the window order undone (one embedding per merge block);
 - the image embeddings replace the embeddings of the image placeholder tokens, in order
   (HF's `masked_scatter`);
-- M-RoPE: positions [3, B, T] (`megarl.models.vision.mrope.mrope_position_ids`, equal to HF's
+- videos: `pixel_values_videos` through the same tower (t > 1), written at the video placeholders;
+  a context's image and video embeddings are kept in context order (`prepare_context`), with the
+  DeepStack features of Qwen3-VL (`torch_qwen3_vl`, which builds on this module);
+- M-RoPE: positions [3, B, T] (`megarl.models.vision.mrope.vision_position_ids`, HF's
   `get_rope_index`); frequency chunk c of `mrope_section` rotates by position axis c % 3. A
   context's rope delta is max(position) + 1 - len(context): a generated token at index n of the
   sequence gets position n + delta on all three axes (HF's `rope_deltas`), i.e. decode continues
@@ -25,7 +28,7 @@ Numerics follow transformers 5.19 `models/qwen2_5_vl/modeling_qwen2_5_vl.py`:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Mapping
 
@@ -34,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megarl.models.vision import geometry
-from megarl.models.vision.mrope import mrope_position_ids
+from megarl.models.vision.mrope import vision_position_ids
 from megarl.models.vision.spec import VisionSpec
 from megarl.rollout.torch_model import (
     MLP, MODEL_FAMILIES, DecoderLM, KVCache, ModelArgs, RMSNorm, _common_args, _get, rope_cos_sin)
@@ -77,7 +80,8 @@ def qwen2_5_vl_args(cfg: dict) -> ModelArgs:
         fullatt_block_indexes=tuple(int(i) for i in v.get("fullatt_block_indexes") or ()),
         out_hidden_size=int(v["out_hidden_size"]), rope_theta=float(vrope.get("rope_theta", 10000.0)), norm_eps=1e-6,
         image_token_id=int(cfg.get("image_token_id", text.get("image_token_id"))),
-        video_token_id=cfg.get("video_token_id", text.get("video_token_id")))
+        video_token_id=cfg.get("video_token_id", text.get("video_token_id")),
+        tokens_per_second=int(_get(v, "tokens_per_second", 4)))
     if vision.out_hidden_size != common["hidden_size"]:
         raise ValueError(f"config.json: vision out_hidden_size={vision.out_hidden_size} != text hidden_size="
                          f"{common['hidden_size']}")
@@ -188,24 +192,33 @@ class VisionTower(nn.Module):
 
 @dataclass
 class VisionContext:
-    """One context prepared for prefill: M-RoPE positions [3, len], rope delta, and the image
-    embeddings [image tokens, hidden] of its placeholder tokens (None without images)."""
+    """One context prepared for prefill: M-RoPE positions [3, len], rope delta, the embeddings
+    [visual tokens, hidden] of its image and video placeholder tokens in context order (None
+    without any), and per DeepStack level the features of those tokens (Qwen3-VL; else empty)."""
 
     positions: torch.Tensor
     delta: int
     image_embeds: torch.Tensor | None
+    deepstack: list[torch.Tensor] = field(default_factory=list)
+
+
+_VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw")
 
 
 def as_prompt_images(images: Any, what: str) -> PromptImages | None:
-    """None, a `PromptImages` or a mapping with pixel_values / image_grid_thw (HF's processor
-    output for this prompt's images) -> `PromptImages` (None stays None)."""
+    """None, a `PromptImages` or a mapping with pixel_values / image_grid_thw and / or
+    pixel_values_videos / video_grid_thw (+ second_per_grid_ts) (HF's processor output for this
+    prompt's images and videos) -> `PromptImages` (None stays None)."""
     if images is None or isinstance(images, PromptImages):
         return images
     if isinstance(images, Mapping):
-        missing = [k for k in ("pixel_values", "image_grid_thw") if k not in images]
+        kinds = [keys for keys in (("pixel_values", "image_grid_thw"), _VIDEO_KEYS) if any(k in images for k in keys)]
+        missing = [k for keys in kinds or [("pixel_values", "image_grid_thw")] for k in keys if k not in images]
         if missing:
-            raise ValueError(f"{what}: images lack {missing} (pass HF image processor outputs)")
-        return PromptImages(torch.as_tensor(images["pixel_values"]), torch.as_tensor(images["image_grid_thw"]))
+            raise ValueError(f"{what}: images lack {missing} (pass HF image / video processor outputs)")
+        get = lambda k: None if images.get(k) is None else torch.as_tensor(images[k])  # noqa: E731
+        return PromptImages(get("pixel_values"), get("image_grid_thw"), get("pixel_values_videos"),
+                            get("video_grid_thw"), get("second_per_grid_ts"))
     raise ValueError(f"{what}: images must be None, a PromptImages or a mapping with pixel_values and "
                      f"image_grid_thw, got {type(images).__name__}")
 
@@ -225,6 +238,23 @@ def check_images(args: ModelArgs, images: Any, n_prompts: int) -> list[PromptIma
     return [as_prompt_images(im, f"prompt {i}") for i, im in enumerate(images)]
 
 
+def _check_pixels(v, kind: str, pixels: torch.Tensor, grid: torch.Tensor | None, n_tokens: int) -> torch.Tensor:
+    """The grid [n, 3] of `kind` pixels that fit the vision spec and the context's n_tokens placeholders."""
+    field = "image_grid_thw" if kind == "image" else "video_grid_thw"
+    if grid is None:
+        raise ValueError(f"{kind} pixels without {field}")
+    grid = grid.reshape(-1, 3).long()
+    if pixels.dim() != 2 or pixels.shape[1] != v.patch_dim:
+        raise ValueError(f"{kind} pixel_values has shape {tuple(pixels.shape)}, expected [patches, {v.patch_dim}]")
+    expected = int(grid.prod(-1).sum())
+    if pixels.shape[0] != expected:
+        raise ValueError(f"{kind} pixel_values has {pixels.shape[0]} patch rows, {field} describes {expected}")
+    merged = sum(geometry.merged_token_counts(grid, v.spatial_merge_size))
+    if merged != n_tokens:
+        raise ValueError(f"{n_tokens} {kind} placeholder tokens but the {kind}s give {merged} embeddings")
+    return grid
+
+
 class VisionLM(DecoderLM):
     """Qwen2.5-VL: `DecoderLM` (HF names `model.*`, `lm_head`) + `visual` (module doc)."""
 
@@ -239,31 +269,50 @@ class VisionLM(DecoderLM):
         model.visual.inv_freq = geometry.vision_rope_inv_freq(v.head_dim, v.rope_theta).to(device)
         return model
 
+    def visual_embeddings(self, pixels: torch.Tensor, grid: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(embeddings [tokens, hidden], DeepStack features: none in Qwen2.5-VL) of images or videos."""
+        return self.visual(pixels, grid), []
+
+    def visual_mask(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Where `tokens` hold image or video placeholders."""
+        v = self.args.vision
+        mask = tokens == v.image_token_id
+        return mask if v.video_token_id is None else mask | (tokens == v.video_token_id)
+
     def prepare_context(self, ids: list[int], images: PromptImages | None) -> VisionContext:
-        """Positions, rope delta and image embeddings (the tower runs once here) of one context."""
+        """Positions, rope delta and visual embeddings (the tower runs once here per modality) of
+        one context."""
         v = self.args.vision
         t = torch.tensor(ids)[None]
-        n_tokens = int((t == v.image_token_id).sum())
-        if images is None:
-            if n_tokens:
-                raise ValueError(f"{n_tokens} image placeholder tokens (id {v.image_token_id}) but no images")
-            pos = torch.arange(len(ids)).expand(3, -1)
-            return VisionContext(pos, 0, None)
-        grid = images.image_grid_thw.reshape(-1, 3).long()
-        pixels = images.pixel_values
-        if pixels.dim() != 2 or pixels.shape[1] != v.patch_dim:
-            raise ValueError(f"pixel_values has shape {tuple(pixels.shape)}, expected [patches, {v.patch_dim}]")
-        expected = int(grid.prod(-1).sum())
-        if pixels.shape[0] != expected:
-            raise ValueError(f"pixel_values has {pixels.shape[0]} patch rows, image_grid_thw describes {expected}")
-        merged = sum(geometry.merged_token_counts(grid, v.spatial_merge_size))
-        if merged != n_tokens:
-            raise ValueError(f"{n_tokens} image placeholder tokens but the images give {merged} embeddings")
-        pos, delta = mrope_position_ids(t, grid, v.image_token_id, v.spatial_merge_size,
-                                        video_token_id=v.video_token_id)
+        counts = {"image": int((t == v.image_token_id).sum()),
+                  "video": int((t == v.video_token_id).sum()) if v.video_token_id is not None else 0}
+        images = images or PromptImages(None, None)
         dev = self.lm_head.weight.device
-        embeds = self.visual(pixels.to(dev), grid) if n_tokens else None
-        return VisionContext(pos[:, 0], int(delta), embeds)
+        parts, grids = {}, {}
+        for kind, pixels, grid in (("image", images.pixel_values, images.image_grid_thw),
+                                   ("video", images.pixel_values_videos, images.video_grid_thw)):
+            if pixels is None:
+                if counts[kind]:
+                    raise ValueError(f"{counts[kind]} {kind} placeholder tokens (id "
+                                     f"{v.image_token_id if kind == 'image' else v.video_token_id}) but no {kind}s")
+                continue
+            grids[kind] = _check_pixels(v, kind, pixels, grid, counts[kind])
+            if counts[kind]:
+                parts[kind] = self.visual_embeddings(pixels.to(dev), grids[kind])
+        pos, delta = vision_position_ids(t, v, grids.get("image"), grids.get("video"), images.second_per_grid_ts)
+        if not parts:
+            return VisionContext(pos[:, 0], int(delta), None)
+        visual = t[0][self.visual_mask(t[0])]
+        is_video = (visual == v.video_token_id) if v.video_token_id is not None else torch.zeros_like(visual, dtype=torch.bool)
+        first = next(iter(parts.values()))[0]
+        embeds = first.new_zeros(visual.numel(), first.shape[-1])
+        levels = len(next(iter(parts.values()))[1])
+        deepstack = [first.new_zeros(visual.numel(), first.shape[-1]) for _ in range(levels)]
+        for kind, (emb, feats) in parts.items():
+            rows = (is_video if kind == "video" else ~is_video).nonzero(as_tuple=True)[0].to(dev)
+            embeds = embeds.index_copy(0, rows, emb)
+            deepstack = [d.index_copy(0, rows, f) for d, f in zip(deepstack, feats)]
+        return VisionContext(pos[:, 0], int(delta), embeds, deepstack)
 
     def prepare_contexts(self, contexts: list[list[int]], images: list[PromptImages | None] | None
                          ) -> list[VisionContext]:
@@ -276,20 +325,26 @@ class VisionLM(DecoderLM):
                 raise ValueError(f"context {i}: {err}") from None
         return out
 
-    def prefill_inputs(self, tokens: torch.Tensor, contexts: list[VisionContext]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(positions [3, B, L], embeddings [B, L, hidden]) of right-aligned contexts in `tokens`
-        [B, L] (left padding: position 0, the pad token's embedding, masked anyway)."""
+    def prefill_inputs(self, tokens: torch.Tensor, contexts: list[VisionContext]) -> tuple[torch.Tensor, dict]:
+        """(positions [3, B, L], the forward's keyword inputs: `embeds` [B, L, hidden], and with
+        DeepStack features `deepstack` [levels, B, L, hidden], zero off the visual tokens) of
+        right-aligned contexts in `tokens` [B, L] (left padding: position 0, the pad token's
+        embedding, masked anyway)."""
         B, L = tokens.shape
         x = self.model.embed_tokens(tokens)
         positions = torch.zeros(3, B, L, dtype=torch.long, device=tokens.device)
+        levels = max((len(c.deepstack) for c in contexts), default=0)
+        addends = x.new_zeros(levels, B, L, x.shape[-1]) if levels else None
         for r, ctx in enumerate(contexts):
             n = ctx.positions.shape[1]
             positions[:, r, L - n:] = ctx.positions.to(tokens.device)
             if ctx.image_embeds is not None:
-                mask = tokens[r] == self.args.vision.image_token_id
+                mask = self.visual_mask(tokens[r])
                 mask[:L - n] = False
                 x[r, mask] = ctx.image_embeds.to(x.dtype)
-        return positions, x
+                for k, feats in enumerate(ctx.deepstack):
+                    addends[k, r, mask] = feats.to(x.dtype)
+        return positions, ({"embeds": x} if addends is None else {"embeds": x, "deepstack": addends})
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, start: int,
                 mask: torch.Tensor, embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -314,6 +369,5 @@ def mrope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, section: tupl
     return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
 
 
-__all__ = ["VisionContext", "VisionLM", "VisionTower", "as_prompt_images", "check_images",
-           "hf_param_name",
+__all__ = ["VisionContext", "VisionLM", "VisionTower", "as_prompt_images", "check_images", "hf_param_name",
            "mrope_cos_sin", "qwen2_5_vl_args"]

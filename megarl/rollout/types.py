@@ -59,13 +59,25 @@ class SamplingParams:
 
 @dataclass
 class PromptImages:
-    """The images of one prompt (vision-language models), as HF's image processor returns them for
-    that prompt's images in prompt order: `pixel_values` [patches, C * temporal_patch * patch^2]
-    and `image_grid_thw` [images, 3]. The prompt holds each image as one run of
-    t * h * w / merge^2 image placeholder tokens, in the same order."""
+    """The images and videos of one prompt (vision-language models), as HF's image / video
+    processors return them for that prompt's images and videos in prompt order: `pixel_values`
+    [patches, C * temporal_patch * patch^2] and `image_grid_thw` [images, 3] (None without images);
+    `pixel_values_videos` / `video_grid_thw` the same for videos, and `second_per_grid_ts` [videos]
+    the seconds one temporal patch spans (Qwen2.5-VL's M-RoPE; None: 1 s, and unused by Qwen3-VL).
+    The prompt holds each image as one run of t * h * w / merge^2 image placeholder tokens, each
+    video as one run of video placeholder tokens (Qwen3-VL: one run per temporal patch, after its
+    timestamp), in the same order."""
 
-    pixel_values: torch.Tensor
-    image_grid_thw: torch.Tensor
+    pixel_values: torch.Tensor | None
+    image_grid_thw: torch.Tensor | None
+    pixel_values_videos: torch.Tensor | None = None
+    video_grid_thw: torch.Tensor | None = None
+    second_per_grid_ts: torch.Tensor | None = None
+
+    def video_fields(self) -> dict[str, torch.Tensor]:
+        """The video tensors that are set, by field name ({} without videos)."""
+        return {k: getattr(self, k) for k in ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+                if getattr(self, k) is not None}
 
 
 @dataclass

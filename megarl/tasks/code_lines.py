@@ -32,12 +32,11 @@ by megarl.trainer.prm.ensure_prm (unless prm.path already holds one).
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
 from megarl.config import MegaRLConfig
-from megarl.tasks import QUICKSTART_TASKS, QuickstartTask
+from megarl.tasks import QUICKSTART_TASKS, QuickstartTask, write_disjoint_splits
 
 DATA_SOURCE = "code"
 NAMES = ("a", "b", "c", "d")
@@ -84,31 +83,21 @@ def expected_output(values: dict[str, int], ops: list[str]) -> str:
 def write_task_files(out_dir: str | Path, n_sft: int, n_train: int, n_eval: int, seed: int) -> dict[str, Path]:
     """``sft.jsonl`` (prompt, response), ``train.jsonl`` and ``eval.jsonl`` (code rows, see the
     module doc) with pairwise-disjoint problems."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
-    seen: set[str] = set()
-    paths = {}
-    for split, n in (("eval", n_eval), ("train", n_train), ("sft", n_sft)):
-        path = out / f"{split}.jsonl"
-        with path.open("w", encoding="utf-8") as f:
-            i = 0
-            while i < n:
-                values, ops = make_problem(rng)
-                prompt = prompt_text(values, ops, rng)
-                key = prompt.split("\n")[1] + str(sorted(values.items()))
-                if key in seen:
-                    continue
-                seen.add(key)
-                row = {"id": f"code-{split}-{i}", "problem": prompt, "answer": expected_output(values, ops)}
-                if split == "sft":
-                    row |= {"prompt": prompt, "response": reference_response(values, ops)}
-                else:
-                    row |= {"tests": [{"stdin": "", "stdout": row["answer"]}], "data_source": DATA_SOURCE}
-                f.write(json.dumps(row) + "\n")
-                i += 1
-        paths[split] = path
-    return paths
+
+    def draw():
+        values, ops = make_problem(rng)
+        prompt = prompt_text(values, ops, rng)
+        return prompt.split("\n")[1] + str(sorted(values.items())), (values, ops, prompt)
+
+    def make_row(split, i, problem):
+        values, ops, prompt = problem
+        row = {"id": f"code-{split}-{i}", "problem": prompt, "answer": expected_output(values, ops)}
+        if split == "sft":
+            return row | {"prompt": prompt, "response": reference_response(values, ops)}
+        return row | {"tests": [{"stdin": "", "stdout": row["answer"]}], "data_source": DATA_SOURCE}
+
+    return write_disjoint_splits(out_dir, {"eval": n_eval, "train": n_train, "sft": n_sft}, draw, make_row)
 
 
 def write_quickstart_files(out_dir: Path, cfg: MegaRLConfig) -> None:

@@ -1,4 +1,5 @@
-"""A byte-level tokenizer and a tiny random Qwen2 / Qwen3-MoE / Qwen2-MoE model, built offline.
+"""A byte-level tokenizer and a tiny random Qwen2 / Qwen3-MoE / Qwen2-MoE / DeepSeek-V3 / GLM-4.5
+model, built offline.
 
 Tokenizer: BPE with no merges over the 256 GPT-2 byte symbols, so every byte (every ASCII
 character) is one token and any UTF-8 text round-trips exactly (`decode(encode(s)) == s`).
@@ -15,6 +16,9 @@ top-k probabilities renormalised) or `Qwen2MoeConfig` ("qwen2_moe": q/k/v bias, 
 of `moe_intermediate` with its sigmoid gate, no renormalisation) from scratch. The MoE families
 replace every dense MLP by `num_experts` experts of `moe_intermediate`, `moe_topk` per token, so
 with moe_intermediate = intermediate / moe_topk a token costs the dense model's MLP FLOPs.
+`DeepseekV3Config` ("deepseek_v3": multi-latent attention) and `Glm4MoeConfig` ("glm4_moe") route
+by sigmoid scores with a selection bias and keep a dense first layer and a shared expert
+(`_sigmoid_moe_config`).
 `vocab_size` is the tokenizer size rounded up to `vocab_multiple` (like real Qwen checkpoints,
 whose embedding has spare rows), which keeps vocab-parallel splits even.
 """
@@ -86,7 +90,7 @@ class TinyModelSpec:
     moe_intermediate: int = 0
 
 
-TINY_FAMILIES = ("qwen2", "qwen3_moe", "qwen2_moe")
+TINY_FAMILIES = ("qwen2", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe")
 
 
 def tiny_config(tokenizer: Any, spec: TinyModelSpec) -> Any:
@@ -119,8 +123,35 @@ def tiny_config(tokenizer: Any, spec: TinyModelSpec) -> Any:
     if spec.family == "qwen3_moe":
         return transformers.Qwen3MoeConfig(**common, **moe, head_dim=spec.hidden // spec.heads,
                                            norm_topk_prob=True)
+    if spec.family in ("deepseek_v3", "glm4_moe"):
+        return _sigmoid_moe_config(spec, common)
     return transformers.Qwen2MoeConfig(**common, **moe, norm_topk_prob=False,
                                        shared_expert_intermediate_size=spec.moe_intermediate)
+
+
+def _sigmoid_moe_config(spec: TinyModelSpec, common: dict) -> Any:
+    """DeepSeek-V3 / GLM-4.5 (megarl.models.deepseek): the first layer dense, one shared expert of
+    `moe_intermediate`, sigmoid routing with a (zero) selection bias, experts in 2 groups of which
+    each token's top-2 experts come from 1 (with top-2 and an even expert count), weights scaled
+    by 2.5 (DeepSeek-V3's routed_scaling_factor); no multi-token-prediction layer. deepseek_v3:
+    multi-latent attention with head_dim = hidden / heads split as nope = head_dim, rope =
+    head_dim / 2, v = head_dim, and q / kv latents of hidden / 2. glm4_moe: q/k/v biases,
+    q/k norms, RoPE on half of each head."""
+    import transformers
+
+    common = {k: v for k, v in common.items() if k not in ("use_sliding_window", "rope_theta")}
+    grouped = spec.moe_topk == 2 and spec.num_experts % 2 == 0
+    moe = dict(n_routed_experts=spec.num_experts, num_experts_per_tok=spec.moe_topk,
+               moe_intermediate_size=spec.moe_intermediate, n_shared_experts=1, first_k_dense_replace=1,
+               n_group=2 if grouped else 1, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+               num_mtp_layers=0, rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta})
+    d = spec.hidden // spec.heads
+    if spec.family == "deepseek_v3":
+        return transformers.DeepseekV3Config(
+            **{**common, "num_key_value_heads": spec.heads}, **moe, q_lora_rank=spec.hidden // 2,
+            kv_lora_rank=spec.hidden // 2, qk_nope_head_dim=d, qk_rope_head_dim=d // 2, v_head_dim=d)
+    return transformers.Glm4MoeConfig(**common, **moe, head_dim=d, attention_bias=True, use_qk_norm=True,
+                                      partial_rotary_factor=0.5)
 
 
 def build_tiny_model(tokenizer: Any, spec: TinyModelSpec) -> Any:

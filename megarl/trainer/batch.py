@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from megarl.algorithms.tppo import window_mask
 from megarl.data.packing import token_budget_microbatches
 from megarl.trainer import vocab_parallel
+from megarl.trainer.vision_batch import images_of, packed_vision
 
 
 @dataclass
@@ -58,6 +59,10 @@ class Trajectory:
     # vision-language models: the prompt's images as the engine saw them (PromptImages' tensors)
     pixel_values: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
+    videos: dict | None = None  # its videos: PromptImages.video_fields() (megarl.trainer.vision_batch)
+    # tool-calling rollouts (megarl/trainer/tools.py): template_mask marks the observation tokens (no
+    # turn layout); tool_stats: the trajectory's turns, calls per tool, errors, how it ended
+    tool_stats: dict | None = None
 
     @property
     def length(self) -> int:
@@ -101,7 +106,8 @@ class StepBatch:
     window_start: torch.Tensor | None = None  # [B] int64 first response index of the latest window (T-PPO)
     start_version: torch.Tensor | None = None  # [B] int64 policy version of the first window (T-PPO)
     is_weights: torch.Tensor | None = None  # [B, T] rollout IS weights (algorithm.rollout_is)
-    # PAG (Trajectory's fields of the same names): [B, T] 1.0 on template tokens; per-sample turn lists
+    # PAG (Trajectory's fields of the same names): [B, T] 1.0 on template tokens (also tool observations,
+    # which have no turn lists); per-sample turn lists
     template_mask: torch.Tensor | None = None
     turn_ends: list[list[int]] | None = None
     turn_is_policy: list[list[bool]] | None = None
@@ -131,7 +137,8 @@ class StepBatch:
             start_version=torch.tensor([int(t.first_version) for t in trajs], dtype=torch.int64),
             routed_experts=([t.routed_experts for t in trajs]
                             if trajs and all(t.routed_experts is not None for t in trajs) else None),
-            images=([_images_of(t) for t in trajs] if any(t.pixel_values is not None for t in trajs) else None),
+            images=([images_of(t) for t in trajs] if any(t.pixel_values is not None or t.videos for t in trajs)
+                    else None),
             **_turn_fields(trajs, T),
         )
 
@@ -211,12 +218,15 @@ class MicroBatch:
     # and [S] bool the positions the engine forwarded (not padding, not a sequence's last token)
     routed_experts: torch.Tensor | None = None
     routing_valid: torch.Tensor | None = None
-    # vision-language models (`packed_vision`): [1, S] which tokens are image placeholders, and the
-    # images of the packed sequences in order (position_ids are then M-RoPE ids [3, 1, S]);
-    # image_grid_thw stays on the host (the tower reads it as Python ints)
+    # vision-language models (`vision_batch.packed_vision`): [1, S] which tokens are image / video
+    # placeholders, and the images / videos of the packed sequences in order (position_ids are then
+    # M-RoPE ids [3, 1, S]); the grids stay on the host (the tower reads them as Python ints)
     image_mask: torch.Tensor | None = None
     pixel_values: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
+    video_mask: torch.Tensor | None = None
+    pixel_values_videos: torch.Tensor | None = None
+    video_grid_thw: torch.Tensor | None = None
     # set by `to`: owner[owner >= 0] (where in input_ids each held response token is) and
     # resp_index[owner >= 0] (its position in the full row)
     held_index: torch.Tensor | None = None
@@ -227,7 +237,11 @@ class MicroBatch:
         """The model's image keyword arguments (none for a text model)."""
         if self.image_mask is None:
             return {}
-        return {"image_mask": self.image_mask, "pixel_values": self.pixel_values, "image_grid_thw": self.image_grid_thw}
+        out = {"image_mask": self.image_mask, "pixel_values": self.pixel_values, "image_grid_thw": self.image_grid_thw}
+        if self.video_mask is not None:
+            out.update(video_mask=self.video_mask, pixel_values_videos=self.pixel_values_videos,
+                       video_grid_thw=self.video_grid_thw)
+        return out
 
     def cp_shard(self, cp_rank: int, cp_size: int) -> "MicroBatch":
         """This CP rank's tokens: chunks r and 2*cp-1-r of every sequence (megarl.models.attention);
@@ -243,6 +257,8 @@ class MicroBatch:
             routing = dict(routed_experts=self.routed_experts[mine], routing_valid=self.routing_valid[mine])
         if self.image_mask is not None:
             routing["image_mask"] = self.image_mask[:, mine]
+        if self.video_mask is not None:
+            routing["video_mask"] = self.video_mask[:, mine]
         return dataclasses.replace(self, input_ids=self.input_ids[:, mine], position_ids=self.position_ids[..., mine],
                                    owner=owner, cp_size=cp_size, held_index=None, held_pos=None, **routing)
 
@@ -293,7 +309,7 @@ class MicroBatch:
             else (self.held_index, self.held_pos)
         moved = {name: to_device(getattr(self, name), device) for name in (
             "input_ids", "position_ids", "targets", "resp_index", "owner", "cu_seqlens", "routed_experts",
-            "routing_valid", "pixel_values", "image_mask")}
+            "routing_valid", "pixel_values", "image_mask", "pixel_values_videos", "video_mask")}
         return dataclasses.replace(self, data=self.data.to(device), held_index=to_device(held_index, device),
                                    held_pos=to_device(held_pos, device), **moved)
 
@@ -346,20 +362,18 @@ class TokenLayout:
                              f"sp={self.sp}); every rank's part must be a multiple of {self.align} (FP8 alignment)")
 
 
-def _images_of(t: Trajectory):
-    from megarl.rollout.types import PromptImages
-
-    return None if t.pixel_values is None else PromptImages(t.pixel_values, t.image_grid_thw)
-
-
 def _turn_fields(trajs: list[Trajectory], T: int) -> dict:
-    """StepBatch's PAG fields when every trajectory has a turn layout (multi-turn), else none."""
-    if not trajs or any(t.turn_ends is None for t in trajs):
+    """StepBatch's PAG fields when every trajectory has a turn layout (multi-turn), else none; the
+    template mask alone when every trajectory has one without a turn layout (tool observations)."""
+    turns = bool(trajs) and all(t.turn_ends is not None for t in trajs)
+    if not trajs or not (turns or all(t.template_mask is not None for t in trajs)):
         return {}
     template = torch.zeros(len(trajs), T)
     for i, t in enumerate(trajs):
         if t.template_mask:
             template[i, : len(t.template_mask)] = torch.tensor(t.template_mask, dtype=torch.float32)
+    if not turns:
+        return dict(template_mask=template)
     return dict(template_mask=template, turn_ends=[list(t.turn_ends) for t in trajs],
                 turn_is_policy=[list(t.turn_is_policy) for t in trajs], turn_outcome=[list(t.turn_outcome) for t in trajs])
 
@@ -370,8 +384,8 @@ def build_microbatch(batch: StepBatch, rows: list[int], pad_multiple: int = 1, c
     host tensors). Every sequence is padded to a multiple of `pad_multiple` (2*CP for context
     parallelism), then the last one further so the row is a multiple of `row_multiple` too
     (sequence parallelism and FP8: `TokenLayout`); the padding sits after its sequence inside that
-    sequence's causal block, so it changes nothing before it. When the rows carry images
-    (`vision`: the model's VisionSpec) the position ids are each sequence's M-RoPE ids.
+    sequence's causal block, so it changes nothing before it. For a vision-language model (`vision`:
+    its VisionSpec) the row also carries the image / video inputs (`vision_batch.packed_vision`).
     """
     seqs = [batch.prompt_ids[i] + batch.response_ids[i] for i in rows]
     padded = [padded_length(len(s), pad_multiple) for s in seqs]
@@ -400,37 +414,6 @@ def build_microbatch(batch: StepBatch, rows: list[int], pad_multiple: int = 1, c
         targets=torch.roll(ids, shifts=-1, dims=1),  # crosses sequence ends only at unused positions
         resp_index=resp_index, owner=owner, cu_seqlens=cu, chunk_tokens=chunk_tokens, **routing, **images,
     )
-
-
-def packed_vision(batch: StepBatch, rows: list[int], padded: list[int], vision) -> dict[str, torch.Tensor]:
-    """A vision-language model's inputs of the packed row: `image_mask` [1, S] (the image
-    placeholders of the prompts that have images; a placeholder id elsewhere, e.g. generated, is
-    text, as the engine embeds it) and, when a row has images, `position_ids` [3, 1, S] (each
-    prompt's M-RoPE ids as HF's get_rope_index gives them, its response and padding continuing
-    as text after the prompt's largest id, as the engine decodes) and the rows' pixels in order."""
-    from megarl.data.images import concat_images
-    from megarl.models.vision.mrope import mrope_position_ids
-
-    images = batch.images or [None] * len(batch)
-    mask = torch.zeros(1, sum(padded), dtype=torch.bool)
-    pos = torch.zeros(3, 1, sum(padded), dtype=torch.long)
-    off = 0
-    for i, width in zip(rows, padded):
-        prompt, im = torch.tensor(batch.prompt_ids[i])[None], images[i]
-        P = prompt.shape[1]
-        if im is None:
-            pos[:, 0, off : off + width] = torch.arange(width)
-        else:
-            ids, _ = mrope_position_ids(prompt, im.image_grid_thw, vision.image_token_id, vision.spatial_merge_size)
-            mask[0, off : off + P] = prompt[0] == vision.image_token_id
-            pos[:, 0, off : off + P] = ids[:, 0]
-            pos[:, 0, off + P : off + width] = int(ids.max()) + 1 + torch.arange(width - P)
-        off += width
-    out = {"image_mask": mask}
-    found = concat_images([images[i] for i in rows])
-    if found is not None:
-        out.update(position_ids=pos, pixel_values=found.pixel_values, image_grid_thw=found.image_grid_thw)
-    return out
 
 
 def packed_routing(batch: StepBatch, rows: list[int], padded: list[int]) -> dict[str, torch.Tensor]:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 
 from megarl.config import MegaRLConfig
+from megarl.trainer.tools import tool_schemas
 from megarl.trainer.train_model import TrainModel
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,9 @@ def load_hf_config_and_tokenizer(hf_path: str):
         # transformers would build an empty tokenizer that encodes every prompt to no tokens
         raise FileNotFoundError(f"model.hf_path: {hf_path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
                                 "copy the model's tokenizer files into it")
+    from megarl.models.deepseek import register_kimi_config
+
+    register_kimi_config()  # Kimi-K2's model_type "kimi_k2" reads as DeepSeek-V3
     return AutoConfig.from_pretrained(hf_path), AutoTokenizer.from_pretrained(hf_path)
 
 
@@ -61,6 +65,8 @@ def model_options(model_cfg, parallel_cfg) -> dict:
     if model_cfg.moe_aux_loss_coeff > 0:  # MoE only (megarl.models.builder drops moe_* for dense models)
         opts.update(moe_aux_loss_coeff=model_cfg.moe_aux_loss_coeff,
                     moe_router_load_balancing_type=model_cfg.moe_load_balancing_type)
+    if model_cfg.moe_expert_bias_update_rate:  # sigmoid-routed MoE only (megarl.models.deepseek)
+        opts["moe_router_bias_update_rate"] = model_cfg.moe_expert_bias_update_rate
     if model_cfg.recompute is not None:
         opts["recompute_granularity"] = model_cfg.recompute
         if model_cfg.recompute == "full":
@@ -135,10 +141,15 @@ def build_critic(cfg: MegaRLConfig, hf_config, actor: TrainModel) -> TrainModel:
     return critic
 
 
+def prm_dir(cfg: MegaRLConfig) -> Path:
+    """Where the code PRM checkpoint lives: prm.path, else <trainer.run_dir>/prm."""
+    return Path(cfg.prm.path) if cfg.prm.path else Path(cfg.trainer.run_dir) / "prm"
+
+
 def _prm_checkpoint(cfg: MegaRLConfig) -> str:
     from megarl.weights.dist_ckpt import read_checkpoint_meta
 
-    path = cfg.prm.path
+    path = str(prm_dir(cfg))
     if not path or not Path(path).is_dir():
         raise FileNotFoundError(f"prm.path: {path!r} is not a PRM checkpoint dir (megarl.trainer.prm.ensure_prm writes one)")
     if not read_checkpoint_meta(path).get("value_head"):
@@ -273,19 +284,46 @@ def _eval_spec(spec) -> dict:
     unknown = set(spec) - EVAL_SPEC_KEYS
     if unknown or "path" not in spec:
         raise ValueError(f"{where}: eval spec needs 'path' and only {sorted(EVAL_SPEC_KEYS)} (got {sorted(spec)})")
-    spec.setdefault("name", Path(spec["path"]).stem)
+    if "name" not in spec:
+        from megarl.data.formats import HF_PREFIX, hf_label
+
+        spec["name"] = hf_label(spec["path"]) if str(spec["path"]).startswith(HF_PREFIX) else Path(spec["path"]).stem
     return spec
 
 
 def image_inputs(cfg: MegaRLConfig, hf_config, tokenizer):
-    """The checkpoint's image processor and vision tokens (`megarl.data.images.ImageInputs`) for a
-    vision-language model, None for a text model."""
+    """The checkpoint's image and video processing and vision tokens (`megarl.data.images.ImageInputs`)
+    for a vision-language model, None for a text model."""
     if getattr(hf_config, "vision_config", None) is None:
         return None
     from megarl.data.images import ImageInputs
+    from megarl.data.video import VideoInputs
 
-    return ImageInputs.from_pretrained(cfg.model.hf_path, hf_config, tokenizer,
-                                       placeholder=cfg.data.image_placeholder, max_image_tokens=cfg.data.max_image_tokens)
+    d = cfg.data
+    videos = VideoInputs.from_pretrained(cfg.model.hf_path, hf_config, tokenizer, placeholder=d.video_placeholder,
+                                         max_video_tokens=d.max_video_tokens)
+    return ImageInputs.from_pretrained(cfg.model.hf_path, hf_config, tokenizer, placeholder=d.image_placeholder,
+                                       max_image_tokens=d.max_image_tokens, videos=videos, video_key=d.video_key)
+
+
+def build_eval_sets(cfg: MegaRLConfig, specs: list, tokenizer, images=None) -> list[EvalSet]:
+    """The eval sets of `specs` (entries as in data.eval), templated and tokenised; keys a spec
+    leaves out come from data.*."""
+    from megarl.data.dataset import load_prompt_dataset, tokenize_dataset
+
+    d = cfg.data
+    tok = dict(max_prompt_len=d.max_prompt_len, apply_chat_template=d.apply_chat_template, images=images,
+               image_key=d.image_key, tools=tool_schemas(cfg))
+    evals = []
+    for raw in specs:
+        spec = _eval_spec(raw)
+        ds = load_prompt_dataset(spec["path"], prompt_key=spec.get("prompt_key", d.prompt_key),
+                                 answer_key=spec.get("answer_key", d.answer_key), source_key=d.source_key,
+                                 default_source=spec.get("data_source", d.default_data_source),
+                                 reference_key=d.reference_key)
+        ds = tokenize_dataset(ds, tokenizer, template=spec.get("prompt_template", d.prompt_template), **tok)
+        evals.append(EvalSet(spec["name"], list(ds.items), {k: spec[k] for k in EVAL_SAMPLING_KEYS if k in spec}))
+    return evals
 
 
 def build_data(cfg: MegaRLConfig, tokenizer, images=None) -> PromptData:
@@ -299,19 +337,12 @@ def build_data(cfg: MegaRLConfig, tokenizer, images=None) -> PromptData:
     kw = dict(prompt_key=d.prompt_key, answer_key=d.answer_key, source_key=d.source_key,
               default_source=d.default_data_source, reference_key=d.reference_key)
     tok = dict(template=d.prompt_template, max_prompt_len=d.max_prompt_len,
-               apply_chat_template=d.apply_chat_template, images=images, image_key=d.image_key)
+               apply_chat_template=d.apply_chat_template, images=images, image_key=d.image_key,
+               tools=tool_schemas(cfg))
     if not d.train_path:
         raise ValueError("data.train_path is not set")
     train = tokenize_dataset(load_prompt_dataset(d.train_path, **kw), tokenizer, **tok)
-    evals = []
-    for raw in d.eval:
-        spec = _eval_spec(raw)
-        ds = load_prompt_dataset(spec["path"], prompt_key=spec.get("prompt_key", d.prompt_key),
-                                 answer_key=spec.get("answer_key", d.answer_key), source_key=d.source_key,
-                                 default_source=spec.get("data_source", d.default_data_source),
-                                 reference_key=d.reference_key)
-        ds = tokenize_dataset(ds, tokenizer, **{**tok, "template": spec.get("prompt_template", d.prompt_template)})
-        evals.append(EvalSet(spec["name"], list(ds.items), {k: spec[k] for k in EVAL_SAMPLING_KEYS if k in spec}))
+    evals = build_eval_sets(cfg, d.eval, tokenizer, images)
     if d.first_sources:
         sampler = SourceScheduleSampler(train.items, cfg.rollout.prompts_per_step, d.seed, d.shuffle,
                                         d.first_sources, d.first_sources_steps, d.first_sources_decay)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from megarl.config import MegaRLConfig
 from megarl.parallel.distributed import phase
 from megarl.rollout import SamplingParams
-from megarl.trainer import build, checkpoint, pag
+from megarl.trainer import build, checkpoint, pag, tools
 from megarl.trainer.metrics import MetricsLogger, PhaseTimer
 from megarl.trainer.generation import RolloutWorker
 from megarl.trainer.state import TrainerState
@@ -109,6 +109,7 @@ class RunComponents:
                 out[f"eval/{ev.name}/score"] = sum(t.score for t in trajs) / max(len(trajs), 1)  # mean reward
                 out[f"eval/{ev.name}/response_length"] = sum(len(t.response_ids) for t in trajs) / max(len(trajs), 1)
                 out.update(pag.eval_metrics(trajs, f"eval/{ev.name}"))  # PAG: first / verify / final accuracy
+                out.update(tools.eval_metrics(trajs, f"eval/{ev.name}"))  # tool calls: call rate, turns, errors
         if out:
             out["eval/accuracy"] = sum(v for k, v in out.items() if k.endswith("/accuracy")) / len(self.data.evals)
             self.logger.log(step, out)
@@ -141,6 +142,7 @@ class RunComponents:
 def build_components(cfg: MegaRLConfig) -> RunComponents:
     from megatron.core import parallel_state as ps
 
+    logger = MetricsLogger(cfg.trainer.run_dir, cfg=cfg)  # first: a logger that cannot start fails before the build
     hf_config, tokenizer = build.load_hf_config_and_tokenizer(cfg.model.hf_path)
     actor = build.build_actor(cfg, hf_config)
     critic = build.build_critic(cfg, hf_config, actor) if cfg.critic.enable else None
@@ -153,7 +155,7 @@ def build_components(cfg: MegaRLConfig) -> RunComponents:
                            images=images)
     return RunComponents(
         cfg=cfg, hf_config=hf_config, actor=actor, critic=critic, ref=ref, engine=engine, worker=worker,
-        data=build.build_data(cfg, tokenizer, images), logger=MetricsLogger(cfg.trainer.run_dir, cfg.trainer.tensorboard),
+        data=build.build_data(cfg, tokenizer, images), logger=logger,
         timer=PhaseTimer(), dp_group=ps.get_data_parallel_group(), dp_rank=ps.get_data_parallel_rank(),
         dp_size=ps.get_data_parallel_world_size(), prm=_prm_scorer(cfg, hf_config, tokenizer),
     )

@@ -18,7 +18,7 @@ from megarl.config import MegaRLConfig
 from megarl.algorithms import overlong_penalty
 from megarl.data.sampler import shard_for_rank
 from megarl.rollout import Sample, SamplingParams
-from megarl.trainer import pag
+from megarl.trainer import pag, tools
 from megarl.trainer.batch import Trajectory
 
 log = logging.getLogger(__name__)
@@ -72,21 +72,27 @@ class RolloutWorker:
         trajs: list[Trajectory] = []
         reward_metrics: dict[str, float] = {}
         multi_turn = self.cfg.algorithm.pag.enable  # PAG: solution, verification, revision (megarl/trainer/pag.py)
+        with_tools = self.cfg.rollout.tools.enable  # tool-calling turns (megarl/trainer/tools.py)
         if local_items:
             seed = (sampling.seed or 0) * 1009 + replica
             local_sampling = SamplingParams(**{**sampling.__dict__, "seed": seed})
             images = self.prompt_images(local_items)
-            if multi_turn and images:
-                raise ValueError("PAG multi-turn rollouts do not take images yet")
-            samples = (pag.generate_turns(self, local_prompts, local_sampling) if multi_turn
-                       else self.engine.generate(local_prompts, local_sampling, **images))
+            if (multi_turn or with_tools) and images:
+                raise ValueError("multi-turn (PAG, tool-calling) rollouts do not take images yet")
+            if with_tools:
+                samples = tools.generate_turns(self, local_prompts, local_sampling)
+            else:
+                samples = (pag.generate_turns(self, local_prompts, local_sampling) if multi_turn
+                           else self.engine.generate(local_prompts, local_sampling, **images))
             if rank % per_engine == 0:
-                trajs, reward_metrics = (pag.score(self, local_items, samples) if multi_turn
-                                         else self._score(local_items, samples))
+                score = tools.score if with_tools else pag.score if multi_turn else RolloutWorker._score
+                trajs, reward_metrics = score(self, local_items, samples)
         gathered = all_gather_list(trajs)
         self.metrics = _sum_over_ranks(reward_metrics)
         if multi_turn:
             self.metrics.update(pag.rollout_metrics(gathered))
+        if with_tools:
+            self.metrics.update(tools.rollout_metrics(gathered))
         if hasattr(self.engine, "kv_cache_bytes"):  # builtin engine: the largest KV cache of this call on any rank
             kv = self.engine.kv_cache_bytes if local_items else 0
             self.metrics["rollout/kv_cache_gb"] = max(all_gather_list([kv])) / 2**30
@@ -183,13 +189,14 @@ def trajectory_images(images) -> dict:
     """A Sample's PromptImages as Trajectory fields."""
     if images is None:
         return {}
-    return {"pixel_values": images.pixel_values, "image_grid_thw": images.image_grid_thw}
+    return {"pixel_values": images.pixel_values, "image_grid_thw": images.image_grid_thw,
+            "videos": images.video_fields() or None}
 
 
 def _as_sample(t: Trajectory, index: int) -> Sample:
-    from megarl.rollout.types import PromptImages
+    from megarl.trainer.vision_batch import images_of
 
-    images = None if t.pixel_values is None else PromptImages(t.pixel_values, t.image_grid_thw)
+    images = images_of(t)
     return Sample(prompt_ids=list(t.prompt_ids), response_ids=list(t.response_ids), logprobs=list(t.rollout_logprobs),
                   finish_reason="truncated", index=index, images=images)
 

@@ -1,10 +1,8 @@
-"""Metrics sink: one JSON object per step in run_dir/metrics.jsonl plus TensorBoard scalars.
-Only rank 0 writes."""
+"""Metrics sink: rank 0 sends every step's metrics to the backends of `trainer.loggers`
+(megarl.trainer.loggers: metrics.jsonl, TensorBoard, W&B, MLflow). Other ranks do nothing."""
 
 from __future__ import annotations
 
-import json
-import math
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -12,35 +10,33 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megarl.parallel.distributed import phase
+from megarl.trainer.loggers import LoggerSettings, open_backends
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True):
+    """`MetricsLogger(run_dir, cfg=cfg)`: the loggers of cfg.trainer (job "sft": an SFT phase's
+    own W&B / MLflow run); without cfg, metrics.jsonl plus TensorBoard when `tensorboard`."""
+
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, *, cfg=None, job: str = "rl"):
         self.enabled = not dist.is_initialized() or dist.get_rank() == 0
         self.path = Path(run_dir) / "metrics.jsonl"
-        self.writer = None
+        self.backends: list = []
         if self.enabled:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            if tensorboard:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tb"))
+            settings = (LoggerSettings.from_config(cfg, job) if cfg is not None
+                        else LoggerSettings(names=(["tensorboard"] if tensorboard else []) + ["jsonl"]))
+            self.backends = open_backends(Path(run_dir), settings)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
             return
         clean = {k: float(v) for k, v in metrics.items() if v is not None}
-        with self.path.open("a") as f:
-            f.write(json.dumps({"step": step, **{k: (v if math.isfinite(v) else None) for k, v in clean.items()}}) + "\n")
-        if self.writer is not None:
-            for k, v in clean.items():
-                if math.isfinite(v):
-                    self.writer.add_scalar(k, v, step)
-            self.writer.flush()
+        for b in self.backends:
+            b.log(step, clean)
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        for b in self.backends:
+            b.close()
+        self.backends = []
 
 
 class PhaseTimer:

@@ -243,7 +243,7 @@ def ensure_prm(cfg: MegaRLConfig, run_dir: Path | None = None) -> dict | None:
     p = cfg.prm
     if not (p.dense_reward or p.init_critic):
         return None
-    out = Path(p.path)
+    out = build.prm_dir(cfg)
     policy = str(Path(cfg.model.load).resolve()) if cfg.model.load else None
     if (out / PRM_DONE).exists():
         done = json.loads((out / PRM_DONE).read_text())

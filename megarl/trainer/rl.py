@@ -165,7 +165,7 @@ def token_rewards(batch: StepBatch, cfg: MegaRLConfig, kl_coef: float, dp_group)
     if not kl_in_reward(cfg):
         return rewards, prm_metrics
     rewards, current_kl = A.apply_kl_in_reward(rewards, batch.old_logprobs, batch.ref_logprobs,
-                                               batch.response_mask, kl_coef, cfg.algorithm.kl_type)
+                                               generated_mask(batch), kl_coef, cfg.algorithm.kl_type)
     rows = (batch.response_mask.sum(-1) > 0).sum().double()
     s = _dp_all_reduce(torch.stack([current_kl.double() * rows, rows]), dp_group)
     return rewards, {"actor/reward_kl": float(s[0] / s[1].clamp(min=1.0)), "actor/kl_coef": kl_coef, **prm_metrics}
@@ -202,16 +202,23 @@ def compute_advantages(batch: StepBatch, local: StepBatch, local_rows: list[int]
         local.advantages = _weighted(adv * gae_mask, local)
         local.returns = returns * gae_mask
         return metrics
-    inputs = A.AdvantageInputs(token_rewards=rewards, mask=local.response_mask, values=local.values,
+    gae_mask = generated_mask(local)  # tool observations: skipped, values and advantages pass through (ReTool)
+    inputs = A.AdvantageInputs(token_rewards=rewards, mask=gae_mask, values=local.values,
                                truncated=local.truncated)
     adv, returns = estimator(inputs, params)
     if al.whiten_advantages:
         moments = _dp_all_reduce(A.masked_moments(adv, local.loss_mask).double(), dp_group)
         mean, var = A.stats_from_moments(moments)
         adv = (adv - mean.float()) * torch.rsqrt(var.float() + 1e-8)
-    local.advantages = _weighted(adv * local.response_mask, local)
-    local.returns = returns * local.response_mask
+    local.advantages = _weighted(adv * gae_mask, local)
+    local.returns = returns * gae_mask
     return metrics
+
+
+def generated_mask(batch: StepBatch) -> torch.Tensor:
+    """[B, T] 1.0 on the response tokens the policy sampled: all of them, minus the tokens the
+    environment appended (template_mask: PAG instructions, tool observations)."""
+    return batch.response_mask if batch.template_mask is None else batch.response_mask * (1.0 - batch.template_mask)
 
 
 def _weighted(advantages: torch.Tensor, batch: StepBatch) -> torch.Tensor:

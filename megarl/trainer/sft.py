@@ -68,16 +68,16 @@ def load_sft_rows(path: str, tokenizer, max_len: int, images=None,
 
 
 def _prompt_ids(row: dict, prompt: str, tokenizer, images, image_key: str, base_dir: Path) -> tuple[list[int], dict]:
-    """(prompt ids, Trajectory image fields): the row's images' pads expanded and their pixels."""
-    if images is None or row.get(image_key) is None:
+    """(prompt ids, Trajectory image fields): the row's images' and videos' pads expanded and their pixels."""
+    visuals = images.row_visuals(row, image_key) if images is not None else None
+    if visuals is None:
         return tokenizer.encode(prompt, add_special_tokens=False), {}
-    from megarl.data.images import image_refs
-
-    refs = image_refs(row[image_key], base_dir)
+    refs = images.refs(visuals, base_dir)
     counts = images.check(refs)
-    ids = images.expand(tokenizer.encode(images.with_markers(prompt, len(refs)), add_special_tokens=False), counts)
+    ids = images.expand(tokenizer.encode(images.with_markers(prompt, refs), add_special_tokens=False), counts)
     pix = images.pixels(refs)
-    return ids, {"pixel_values": pix.pixel_values, "image_grid_thw": pix.image_grid_thw}
+    return ids, {"pixel_values": pix.pixel_values, "image_grid_thw": pix.image_grid_thw,
+                 "videos": pix.video_fields() or None}
 
 
 def nll_loss_fn(counts: dict[str, float]):
@@ -114,7 +114,7 @@ def sft(cfg: MegaRLConfig, max_steps: int | None = None, save_to: str | None = N
     total = cfg.trainer.total_steps
     actor = build.build_actor(cfg, hf_config)
     dp_group, dp_rank, dp_size = ps.get_data_parallel_group(), ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    logger = MetricsLogger(Path(cfg.trainer.run_dir) / "sft", cfg.trainer.tensorboard)
+    logger = MetricsLogger(Path(cfg.trainer.run_dir) / "sft", cfg=cfg, job="sft")
     progress = Progress("SFT", total=total, enabled=dist.get_rank() == 0)
     rng = random.Random(cfg.trainer.seed)
     order: list[int] = []

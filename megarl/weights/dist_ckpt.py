@@ -110,6 +110,9 @@ def load_checkpoint_hf_config(ckpt_dir: str | Path):
     hf = Path(ckpt_dir) / "hf"
     if not (hf / "config.json").exists():
         raise CheckpointError(f"{hf / 'config.json'} not found")
+    from megarl.models.deepseek import register_kimi_config
+
+    register_kimi_config()  # Kimi-K2's model_type "kimi_k2" reads as DeepSeek-V3
     return AutoConfig.from_pretrained(hf)
 
 

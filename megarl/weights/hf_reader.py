@@ -6,6 +6,10 @@ Megatron import, the builtin engine and the SGLang engine all read through it.
 through `safe_open(...).get_slice`, so a rank never loads tensors (or parts) it does not own;
 `iter_checkpoint_buckets` yields whole tensors, one bucket per shard file. Every failure names the
 tensor and the file.
+
+Fused expert tensors (qwen3_vl_moe) come in two layouts on disk (`expert_layout`); a checkpoint in
+transformers 5's own layout ([E, 2I, H] / [E, H, I]) is presented in the released one ([E, H, 2I] /
+[E, I, H]) by `shape` and `read`, so the bridge, the import and the builtin engine see one layout.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ class HFCheckpoint:
             raise CheckpointError(f"HF checkpoint directory {self.dir} does not exist")
         self._handles: dict[Path, object] = {}
         self.files = self._index()  # tensor name -> file path
+        self._transposed: set[str] = set()  # fused expert tensors stored in transformers 5's layout
+        self.expert_layout = self._expert_layout()  # None, "released" or "transformers5"
 
     def _index(self) -> dict[str, Path]:
         index = self.dir / INDEX_NAME
@@ -58,6 +64,23 @@ class HFCheckpoint:
             single = self.dir / found[0]
         return {name: single for name in self._handle(single).keys()}
 
+    def _expert_layout(self) -> str | None:
+        from megarl.weights.expert_layout import (
+            TRANSFORMERS5, ExpertLayoutError, fused_expert_layout, is_fused_expert)
+
+        fused = [n for n in self.files if is_fused_expert(n)]
+        if not fused:
+            return None
+        config = self.dir / "config.json"
+        try:
+            layout = fused_expert_layout({n: self.shape(n) for n in fused},
+                                         read_json(config) if config.is_file() else None)
+        except (ExpertLayoutError, ValueError) as e:
+            raise CheckpointError(f"{self.dir}: {e}") from e
+        if layout == TRANSFORMERS5:
+            self._transposed = set(fused)
+        return layout
+
     def _handle(self, path: Path):
         if path not in self._handles:
             try:
@@ -77,7 +100,8 @@ class HFCheckpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         path = self.file_of(name)
         try:
-            return tuple(self._handle(path).get_slice(name).get_shape())
+            shape = tuple(self._handle(path).get_slice(name).get_shape())
+            return (shape[0], shape[2], shape[1]) if name in self._transposed else shape
         except CheckpointError:
             raise
         except Exception as e:
@@ -88,6 +112,10 @@ class HFCheckpoint:
         path = self.file_of(name)
         try:
             handle = self._handle(path)
+            if name in self._transposed:  # stored [E, b, a]: read, then present as [E, a, b]
+                sl = handle.get_slice(name)
+                part = sl[:] if dim is None else sl[start:stop] if dim == 0 else sl[:, :, start:stop]
+                return part.transpose(1, 2).contiguous()
             if dim is None:
                 return handle.get_tensor(name)
             sl = handle.get_slice(name)

@@ -60,4 +60,16 @@ def save_hf_checkpoint(stream: Iterable[list[tuple[str, torch.Tensor]]], out_dir
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out / INDEX_NAME).write_text(json.dumps(index, indent=2))
     copy_hf_files(hf_source_dir, out, hf_config)
+    if not any(n.endswith("_scale_inv") for n in seen):
+        _drop_quantization_config(out / "config.json")
     return files
+
+
+def _drop_quantization_config(path: Path) -> None:
+    """A block-FP8 model's config (DeepSeek-V3, Kimi-K2) exported with the stream's plain weights must
+    not claim FP8 weights (transformers and SGLang would read the tensors as such)."""
+    if not path.is_file():
+        return
+    config = json.loads(path.read_text())
+    if config.pop("quantization_config", None) is not None:
+        path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

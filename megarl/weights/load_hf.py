@@ -7,6 +7,7 @@ optimizer: mixed-precision / distributed optimizers copy the parameters into the
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -14,7 +15,10 @@ import torch
 from megarl.models.bridge import (
     VALUE_HEAD_HF_NAME, expected_hf_shapes, hf_shapes, param_maps, read_shard, shard_group)
 from megarl.models.builder import unwrap
+from megarl.models.deepseek import mtp_names
 from megarl.weights.hf_reader import CheckpointError, HFCheckpoint
+
+_log = logging.getLogger(__name__)
 
 # Tensors some HF checkpoints carry that are not parameters.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -23,6 +27,16 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 def _show(names: set[str], limit: int = 6) -> str:
     shown = sorted(names)[:limit]
     return ", ".join(shown) + (f" ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def open_checkpoint(hf_dir: str | Path):
+    """The HF checkpoint at hf_dir, its block-FP8 weights (DeepSeek-V3, Kimi-K2) read dequantized
+    (`megarl.weights.fp8_blocks`)."""
+    from megarl.weights.fp8_blocks import dequantized
+    from megarl.weights.hf_reader import read_config
+
+    config = Path(hf_dir) / "config.json"
+    return dequantized(HFCheckpoint(hf_dir), read_config(hf_dir) if config.is_file() else None)
 
 
 def check_checkpoint(ckpt: HFCheckpoint, spec, value_head: bool = False) -> None:
@@ -35,6 +49,11 @@ def check_checkpoint(ckpt: HFCheckpoint, spec, value_head: bool = False) -> None
     if missing:
         raise CheckpointError(f"HF checkpoint {ckpt.dir} is missing tensors: {_show(missing)}")
     extra = {n for n in have - set(expected) if not n.endswith(_IGNORED_SUFFIXES)}
+    mtp = mtp_names(extra, spec)  # DeepSeek-V3 / GLM-4.5 multi-token prediction: not loaded
+    if mtp:
+        _log.warning("HF checkpoint %s: skipping %d tensors of %d multi-token-prediction layer(s) (%s): megarl "
+                  "trains and exports the decoder only", ckpt.dir, len(mtp), spec.mtp_layers, _show(mtp, 2))
+        extra -= mtp
     if spec.tie_word_embeddings or value_head:
         extra.discard("lm_head.weight")  # tied copy (or an actor's head when building a critic)
     if extra:
@@ -53,7 +72,7 @@ def load_hf_weights(model_chunks, hf_dir: str | Path) -> int:
     from megarl.models.value_head import ValueModel
 
     chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
-    ckpt = HFCheckpoint(hf_dir)
+    ckpt = open_checkpoint(hf_dir)
     models = [unwrap(c) for c in chunks]
     spec = models[0].arch_spec
     check_checkpoint(ckpt, spec, value_head=isinstance(models[0], ValueModel))

@@ -86,7 +86,7 @@ def _local_entries(models, spec, ep: int, dtype: torch.dtype | None):
             if pm.hf_expert is not None and pm.hf_names in fused:  # another local expert of that tensor
                 params[fused[pm.hf_names]][1].append(param)
                 continue
-            out_dtype = dtype or param.dtype
+            out_dtype = param.dtype if pm.buffer else dtype or param.dtype  # a router's bias stays float32
             shapes = tuple(hf_shapes(pm, tuple(param.shape), spec, shard_group(pm)[0]))
             names = pm.hf_names
             if pm.hf_expert is not None:  # all local experts of the layer, stacked at gather time
@@ -162,7 +162,8 @@ def stream_hf_weights(model_chunks, hf_config: Any = None, bucket_bytes: int = 2
     """Yields buckets [(hf_name, full_tensor)] of the whole model on every receiving rank.
 
     model_chunks: this rank's GPTModel chunk(s), possibly DDP-wrapped. hf_config: optional; when
-    given it must describe the same architecture. dtype: cast tensors (e.g. bf16 for SGLang).
+    given it must describe the same architecture. dtype: cast tensors (e.g. bf16 for SGLang), except
+the buffers that are HF tensors (routers' e_score_correction_bias: float32, as HF keeps them).
     """
     from megatron.core import parallel_state as ps
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -69,7 +70,9 @@ def run_torchrun(script: str | Path, nproc: int, args: list[str], out_json: Path
         text = stdout + stderr
         first = text.find("Traceback")
         head = text[first : first + 5000] if first >= 0 else ""
-        raise AssertionError(f"torchrun {script} failed (rc={proc.returncode}):\n{head}\n...\n{text[-2000:]}")
+        errors = [ln for ln in text.splitlines() if re.match(r"^(\[rank\d+\]: )?[\w.]*(Error|Exception)\b", ln)]
+        raise AssertionError(f"torchrun {script} failed (rc={proc.returncode}):\n{head}\n...\n{text[-2000:]}\n"
+                             f"exceptions raised:\n" + "\n".join(dict.fromkeys(errors)))
     return json.loads(Path(out_json).read_text())
 
 
@@ -166,3 +169,18 @@ def convert_roundtrip(hf: Path, tmp: Path, to_megatron: list, to_hf: list, verif
     out["verify"] = convert_ok("verify", "--hf", tmp / "hf2", *verify, timeout=timeout)
     assert last_value(out["verify"]) < 1e-4
     return out
+
+
+def logprob_gaps(trajectories: list[dict], appended: str) -> tuple[float, float]:
+    """(largest |engine - trainer| log-prob over sampled tokens, largest |trainer log-prob| over the
+    tokens the rollout appended, where trajectory[`appended`] is 1). The engine reports 0 on
+    appended tokens (asserted); the second figure shows that the mask, not luck, keeps them out."""
+    worst, appended_gap = 0.0, 0.0
+    for t in trajectories:
+        for extra, e, r in zip(t[appended], t["engine_logprobs"], t["trainer_logprobs"]):
+            if extra:
+                assert e == 0.0
+                appended_gap = max(appended_gap, abs(r))
+            else:
+                worst = max(worst, abs(e - r))
+    return worst, appended_gap

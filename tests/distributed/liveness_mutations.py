@@ -62,8 +62,8 @@ MUTATIONS: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
     "trainer.log_interval": ("loop.py logs every step", [
         (LOOP, "if state.step % tr.log_interval == 0 or last:", "if True:")]),
     "trainer.tensorboard": ("the logger never writes TensorBoard files", [
-        (COMPONENTS, "MetricsLogger(cfg.trainer.run_dir, cfg.trainer.tensorboard)",
-         "MetricsLogger(cfg.trainer.run_dir, False)")]),
+        ("megarl/trainer/loggers.py", 'names = [n for n in t.loggers if t.tensorboard or n != "tensorboard"]',
+         'names = [n for n in t.loggers if n != "tensorboard"]')]),
     "trainer.val_before_train": ("loop.py never evaluates before training", [
         (LOOP, "if (tr.val_before_train and state.step == 0)", "if (False and state.step == 0)")]),
     "algorithm.value_pretrain_ev_target": ("value pretraining never ends early (target read as None)", [

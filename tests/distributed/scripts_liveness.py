@@ -32,11 +32,16 @@ SHOWN_ELSEWHERE = {
                                 "(MoE only: the liveness model here is dense)",
     "model.moe_load_balancing_type": "tests/distributed/test_moe_train.py::test_load_balancing_loss_is_configurable",
     "model.freeze_router": "tests/distributed/test_moe_train.py::test_frozen_router_stays_bit_identical_while_experts_train",
+    "model.moe_expert_bias_update_rate": "tests/distributed/test_deepseek_train.py::test_bias_update_rate_moves_the_bias "
+                                         "(sigmoid-routed MoE only: the liveness model here is dense)",
     "model.freeze_vision": "tests/distributed/test_vlm_train.py::test_freeze_vision (vision-language models only: "
                            "the liveness model here is a text model)",
     **{f"data.{k}": "tests/unit/test_data_images.py::test_config_fields_reach_the_data_path (rows with images need a "
                     "vision-language model; the liveness model here is a text model)"
        for k in ("image_key", "image_placeholder", "max_image_tokens")},
+    **{f"data.{k}": "tests/unit/test_data_video.py::test_config_fields_reach_the_data_path (rows with videos need a "
+                    "vision-language model; the liveness model here is a text model)"
+       for k in ("video_key", "video_placeholder", "max_video_tokens")},
     "algorithm.routing_replay": "tests/distributed/test_moe_train.py::test_rl_step_logs_routing_agreement (an RL step "
                                 "with replay logs moe/replayed_fraction; test_replay_makes_the_trainer_route_like_the_engine)",
     "model.logprob_chunk_tokens": "tests/distributed/test_cp.py::test_chunked_views_equal_unchunked_and_the_formulas "
@@ -77,6 +82,29 @@ SHOWN_ELSEWHERE = {
     **{f"data.{k}": "tests/unit/test_data_selection.py::test_build_data_schedules_by_the_data_first_sources_fields "
                     "(needs a training set with two data sources; this one has one)"
        for k in ("first_sources", "first_sources_steps", "first_sources_decay")},
+    # metrics loggers (docs/ecosystem.md): the W&B / MLflow runs are read back with their own readers there
+    **{f"trainer.{k}": "tests/unit/test_loggers.py::test_wandb_and_mlflow_hold_config_tags_metrics_and_resume_the_same_run "
+                       "(which backends write, the project / experiment and the tags of the runs read back)"
+       for k in ("loggers", "project", "tags")},
+    **{f"trainer.{k}": "tests/unit/test_loggers.py::test_run_name_and_wandb_entity_reach_the_runs"
+       for k in ("run_name", "wandb_entity")},
+    "trainer.wandb_mode": "tests/unit/test_loggers.py::test_unreachable_servers_are_start_up_errors (online needs the "
+                          "server; every other logger test runs offline: no network here)",
+    "trainer.mlflow_tracking_uri": "tests/unit/test_loggers.py::test_sft_logs_to_a_run_of_its_own (the run lands in "
+                                   "the store the field names)",
+    # tool-calling rollouts (docs/tools.md): a trajectory needs a policy that writes tool calls (scripted there)
+    "rollout.tools.enable": "tests/unit/test_tool_trainer.py::test_rollout_fields_change_the_trajectories "
+                            "(and tests/distributed/test_tools.py: the RL loop with tool calls at TP=2)",
+    **{f"rollout.tools.{k}": "tests/unit/test_tool_trainer.py::test_rollout_fields_change_the_trajectories"
+       for k in ("max_turns", "max_response_tokens", "keep_state")},
+    **{f"rollout.tools.{k}": "tests/unit/test_tool_trainer.py::test_toolbox_follows_the_config (the interpreter's "
+                             "limits, the pool, the observation cap; tests/unit/test_tool_runtime.py: their effects)"
+       for k in ("timeout_s", "memory_mb", "max_workers", "max_output_chars", "python")},
+    **{f"rollout.tools.{k}": "tests/unit/test_tool_trainer.py::test_chat_json_declares_the_tools_in_the_prompt "
+                             "(and tests/distributed/test_tools.py: a user tool called with the parsed arguments)"
+       for k in ("format", "functions")},
+    **{f"rollout.tools.{k}": "tests/unit/test_tool_trainer.py::test_penalties_for_malformed_calls_and_the_turn_budget"
+       for k in ("malformed_penalty", "budget_penalty")},
 }
 
 
@@ -267,7 +295,7 @@ def obs_engine(ctx, cfg):
 
 
 def obs_sglang_server_args(ctx, cfg):
-    from megarl.rollout.sglang_utils import server_args
+    from megarl.rollout.sglang.requests import server_args
 
     return server_args(cfg)
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from tests.distributed.launch import rl_files, rl_overrides, run_worker
+from tests.distributed.launch import logprob_gaps, rl_files, rl_overrides, run_worker
 
 # |engine - trainer| log-prob per generated token (fp32, CPU): the T-PPO gate (tests/distributed/test_tppo.py)
 MISMATCH_MEAN, MISMATCH_MAX = 2e-6, 2e-5
@@ -55,14 +55,7 @@ def test_template_tokens_have_no_loss_and_no_value(result):
 
 
 def test_engine_and_trainer_log_probs_agree_on_every_generated_token(result):
-    worst, template_gap = 0.0, 0.0
-    for t in result["components"]["trajectories"]:
-        for tmpl, e, r in zip(t["template_mask"], t["engine_logprobs"], t["trainer_logprobs"]):
-            if tmpl:  # appended, not sampled: the engine reports 0, the trainer the model's log-prob
-                assert e == 0.0
-                template_gap = max(template_gap, abs(r))
-            else:
-                worst = max(worst, abs(e - r))
+    worst, template_gap = logprob_gaps(result["components"]["trajectories"], "template_mask")
     assert worst < MISMATCH_MAX
     assert template_gap > 0.1  # so the mask, not luck, keeps them out of the mismatch
     m = result["components"]["mismatch"]

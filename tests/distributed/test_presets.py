@@ -29,7 +29,7 @@ def train_rows(rows):
 def test_every_preset_ran():
     names = {p.relative_to(REPO / "configs").as_posix() for p in (REPO / "configs").glob("algorithms/*.yaml")}
     names |= {p.relative_to(REPO / "configs").as_posix() for p in (REPO / "configs").glob("recipes/*/*.yaml")}
-    assert len(names) == 29
+    assert len(names) == 31
 
 
 def test_pag_preset_rolls_out_multi_turn_trajectories(result):
@@ -43,10 +43,11 @@ def test_retool_preset_rolls_out_tool_trajectories(result):
 
 
 def test_moe_recipes_ran_at_ep2_on_the_tiny_moe(result):
-    # Qwen3-30B-A3B / 235B-A22B / VL-30B-A3B recipes: the tiny Qwen3-MoE, experts over 2 ranks; MoE steps
-    # log routing agreement, and the recipes' routing replay makes every router use the engine's experts
+    # Qwen3-30B-A3B / 235B-A22B / VL-30B-A3B / VL-235B-A22B recipes: the tiny Qwen3-MoE, experts over 2
+    # ranks; MoE steps log routing agreement, and the recipes' routing replay makes every router use the
+    # engine's experts
     moe = {k: v["rows"] for k, v in result.items() if k.startswith("recipes/qwen3-")}
-    assert len(moe) == 5
+    assert len(moe) == 6
     for name, rows in moe.items():
         rows = train_rows(rows)
         assert rows and all(0 <= r["moe/routing_agreement"] <= 1 for r in rows), name
@@ -56,8 +57,8 @@ def test_moe_recipes_ran_at_ep2_on_the_tiny_moe(result):
 def test_sigmoid_moe_recipes_ran_on_their_tiny_family(result):
     # DeepSeek-V3 / Kimi-K2 recipes on a tiny DeepSeek-V3 (multi-latent attention), GLM-4.5 ones on a tiny
     # GLM-4.5: sigmoid routing with the selection bias, the dense first layer, routing replay at EP=2
-    runs = {k: v["rows"] for k, v in result.items() if k.split("/")[1:2] in (["deepseek-v3"], ["kimi-k2"], ["glm-4.5"],
-                                                                             ["glm-4.5-air"])}
+    families = ("deepseek-v3", "kimi-k2", "glm-4.5", "glm-4.5-fp8", "glm-4.5-air")
+    runs = {k: v["rows"] for k, v in result.items() if k.split("/")[1:2] in [[f] for f in families]}
     assert len(runs) == 5
     for name, rows in runs.items():
         rows = train_rows(rows)

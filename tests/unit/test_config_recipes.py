@@ -25,8 +25,10 @@ def test_expected_files_are_shipped():
     assert names == {f"qwen2.5-32b/{a}.yaml" for a in ("dapo", "vapo", "ppo", "grpo")} | {
         f"qwen2.5-7b/{a}.yaml" for a in ("dapo", "vapo", "grpo")} | {
         f"{m}/{a}.yaml" for m in ("qwen3-30b-a3b", "qwen3-235b-a22b") for a in ("dapo", "vapo")} | {
-        "qwen2.5-vl-7b/dapo.yaml", "qwen2.5-vl-7b/grpo.yaml", "qwen2.5-vl-32b/dapo.yaml", "qwen3-vl-30b-a3b/dapo.yaml"}
-    assert {os.path.basename(p) for p in ALGORITHMS} == {f"{a}.yaml" for a in ("grpo", "dapo", "ppo", "vc_ppo", "vapo", "tppo", "pag", "pairwise_rl", "code_prm")}
+        "qwen2.5-vl-7b/dapo.yaml", "qwen2.5-vl-7b/grpo.yaml", "qwen2.5-vl-32b/dapo.yaml", "qwen3-vl-30b-a3b/dapo.yaml",
+        "qwen3-vl-235b-a22b/dapo.yaml"} | {
+        f"{m}/dapo.yaml" for m in ("deepseek-v3", "kimi-k2", "glm-4.5", "glm-4.5-fp8", "glm-4.5-air")}
+    assert {os.path.basename(p) for p in ALGORITHMS} == {f"{a}.yaml" for a in ("grpo", "dapo", "ppo", "vc_ppo", "vapo", "tppo", "pag", "pairwise_rl", "code_prm", "retool")}
 
 
 @pytest.mark.parametrize("path", ALGORITHMS + RECIPES, ids=lambda p: os.path.relpath(p, CONFIGS))
@@ -79,7 +81,8 @@ def test_recipe_layout_matches_model_and_world(path):
     validate_world(cfg, cfg.parallel.nodes * cfg.parallel.gpus_per_node)
     assert cfg.rollout.engine == "sglang" and cfg.model.dtype == "bf16"
     # an MoE recipe replays the engine's routing (SGLang returns the routed experts)
-    assert cfg.algorithm.routing_replay == bool((hf.get("text_config") or hf).get("num_experts"))
+    text = hf.get("text_config") or hf
+    assert cfg.algorithm.routing_replay == bool(text.get("num_experts") or text.get("n_routed_experts"))
     if "qwen2.5-32b" in path:
         assert cfg.rollout.max_new_tokens >= 20480  # the papers' response length
 

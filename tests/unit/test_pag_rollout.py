@@ -6,41 +6,17 @@ from __future__ import annotations
 
 import pytest
 
-from megarl.rollout import Sample, SamplingParams
+from megarl.rollout import SamplingParams
 from megarl.rollout.multi_turn import VERDICT_CORRECT, VERDICT_WRONG, parse_verdict, pag_rollout
+from tests.unit import scripted_engine
+from tests.unit.scripted_engine import decode, ids
 
 V, R = [90, 91], [80]  # verify / revise instruction tokens
 
 
-def ids(text: str) -> list[int]:
-    return [ord(c) for c in text]
-
-
-def decode(tokens: list[int]) -> str:
-    return "".join(chr(t) for t in tokens)
-
-
-class ScriptedEngine:
-    """generate() answers call k with script[k][j] for its j-th context (text -> char tokens,
-    log-probs -0.1, -0.2, ...); records every call's contexts and sampling."""
-
-    def __init__(self, script: list[list[str]], max_context: int | None = None):
-        self.script, self.calls = script, []
-        if max_context is not None:
-            self.max_context = max_context
-
-    def generate(self, prompts, sampling):
-        k = len(self.calls)
-        self.calls.append(([list(p) for p in prompts], sampling))
-        texts = self.script[k]
-        assert len(texts) == len(prompts) * sampling.n, f"call {k}: {len(prompts)} contexts x n={sampling.n}"
-        out = []
-        for j, text in enumerate(texts):
-            tok = ids(text)
-            out.append(Sample(prompt_ids=list(prompts[j // sampling.n]), response_ids=tok,
-                              logprobs=[-0.1 * (i + 1) for i in range(len(tok))], finish_reason="stop",
-                              index=j // sampling.n))
-        return out
+def ScriptedEngine(script: list[list[str]], max_context: int | None = None):  # noqa: N802 (stands for the class)
+    """The scripted engine with every turn text whole (the PAG scripts fix each turn's text)."""
+    return scripted_engine.ScriptedEngine(script, max_context, truncate=False)
 
 
 def test_parse_verdict_takes_exactly_one_phrase():

@@ -280,7 +280,8 @@ def test_layout_set():
     assert {f"qwen3-30b-a3b/{n}node.yaml" for n in (1, 2, 4, 8)} <= names
     assert {f"qwen3-235b-a22b/{n}node.yaml" for n in (16, 32, 64)} <= names
     assert {f"{m}/{n}node.yaml" for m in ("deepseek-v3", "kimi-k2") for n in (32, 64, 128)} <= names
-    assert {"glm-4.5/16node.yaml", "glm-4.5/32node.yaml", "glm-4.5-air/4node.yaml", "glm-4.5-air/8node.yaml"} <= names
+    assert {f"{m}/{n}node.yaml" for m in ("glm-4.5", "glm-4.5-fp8") for n in (16, 32)} <= names
+    assert {"glm-4.5-air/4node.yaml", "glm-4.5-air/8node.yaml"} <= names
     long = {os.path.relpath(p, os.path.join(CONFIGS, "layouts")) for p in LONG_LAYOUTS}
     assert {f"qwen2.5-32b/16node-{k}k.yaml" for k in (20, 32, 64)} <= long
 

@@ -20,6 +20,17 @@ from megarl.rewards.sandbox import Limits, SandboxUnavailable, run_python
 REPO = Path(__file__).resolve().parents[2]
 NAMESPACE = sandbox.isolation() == "namespace"
 needs_ns = pytest.mark.skipif(not NAMESPACE, reason="user namespaces unavailable here: rlimit fallback")
+WARM = NAMESPACE and os.geteuid() == 0  # the warm zygote path runs here (megarl/rewards/sandbox_warm.py)
+
+
+@pytest.fixture(autouse=True, params=["warm", "fresh"])
+def sandbox_path(request, monkeypatch):
+    """Every test runs on both paths: the warm zygote (the default where it can run) and the fresh
+    launcher per run (MEGARL_SANDBOX_WARM=0)."""
+    if request.param == "warm" and not WARM:
+        pytest.skip("the warm path needs namespaces and a root caller")
+    monkeypatch.setenv("MEGARL_SANDBOX_WARM", "1" if request.param == "warm" else "0")
+    return request.param
 
 
 class Ticker:
@@ -248,7 +259,9 @@ def test_cleanup_stale(tmp_path):
     assert not old.exists() and fresh.exists()
 
 
-def test_launcher_failure_is_an_error_not_a_program_result(monkeypatch):
+def test_launcher_failure_is_an_error_not_a_program_result(monkeypatch, sandbox_path):
+    if sandbox_path == "warm":
+        pytest.skip("the fresh launcher's exec; the warm path's set-up failure: test_sandbox_warm.py")
     spec = sandbox._spec
     monkeypatch.setattr(sandbox, "_spec", lambda *a: {**spec(*a), "argv": ["/nonexistent/python"]})
     with pytest.raises(SandboxUnavailable, match="could not start the program.*exec"):

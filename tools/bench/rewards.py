@@ -5,8 +5,10 @@
 Math: `megarl.rewards.math.check` on the DAPO-17k sample golds answered in the `Answer:` format
 (integers: the fast path, no subprocess), and the math-verify worker pool on the MATH-500 LaTeX
 golds (the cost of every check that reaches math-verify), both from a thread pool. Sandbox: a
-small stdin/stdout program, sequential and from a thread pool. Each measurement runs for about
---seconds.
+small stdin/stdout program, sequential and from a thread pool, on the warm zygote path (the
+default where it runs: namespaces and a root caller) and on the fresh launcher per run; then the
+escape probes of tests/unit/test_sandbox.py on the warm path, each of which must stay contained.
+Each measurement runs for about --seconds.
 """
 
 from __future__ import annotations
@@ -71,10 +73,61 @@ def main() -> None:
     mode = sandbox.isolation()
     print(f"sandbox isolation: {mode} (probe {time.monotonic() - t0:.2f}s)")
     code = "import sys\nprint(sum(map(int, sys.stdin.read().split())))"
-    run = lambda i: sandbox.run_python(code, stdin=f"{i} 1").stdout == f"{i + 1}\n"  # noqa: E731
-    for threads in (1, args.threads):
-        rate, n = _rate(run, list(range(100)), args.seconds, threads)
-        print(f"sandbox, {threads} thread(s): {rate:.1f} runs/s ({n} runs)")
+    paths = [("warm", True), ("fresh", False)] if sandbox._warm_wanted(mode, None) else [("fresh", False)]
+    for name, warm in paths:
+        run = lambda i: sandbox.run_python(code, stdin=f"{i} 1", warm=warm).stdout == f"{i + 1}\n"  # noqa: E731
+        for threads in (1, args.threads):
+            rate, n = _rate(run, list(range(100)), args.seconds, threads)
+            print(f"sandbox ({name}), {threads} thread(s): {rate:.1f} runs/s ({n} runs)")
+    if paths[0][0] == "warm":
+        contained = [(probe, ok()) for probe, ok in _escape_probes()]
+        for probe, ok in contained:
+            print(f"sandbox (warm) escape probe {probe}: {'contained' if ok else 'ESCAPED'}")
+        if not all(ok for _, ok in contained):
+            raise SystemExit("benchmark: an escape probe was not contained on the warm path")
+
+
+def _escape_probes():
+    """(name, () -> contained?) of the escape probes of tests/unit/test_sandbox.py, warm path."""
+    import socket
+    import uuid
+
+    repo = Path(__file__).resolve().parents[2]
+    run = lambda code, **kw: sandbox.run_python(code, warm=True, **kw)  # noqa: E731
+    name = f"pwned-{uuid.uuid4().hex}"
+
+    def network():
+        server = socket.socket()
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        port = server.getsockname()[1]
+        r = run(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('connected')")
+        server.close()
+        return r.status == "error" and "connected" not in r.stdout
+
+    def read_project():
+        r = run(f"print(open({str(repo / 'pyproject.toml')!r}).read())")
+        return "[build-system]" not in r.stdout
+
+    def write_host():
+        run(f"open({str(repo / name)!r}, 'w').write('x')")
+        return not (repo / name).exists()
+
+    def fork_bomb():
+        code = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+        return run(code, limits=sandbox.Limits(timeout_s=2.0, nproc=16)).status == "timeout"
+
+    def memory_bomb():
+        return run("x = bytearray(4 * 1024**3)", memory_mb=256).status == "memory"
+
+    def capabilities():
+        code = ("import ctypes\nlibc = ctypes.CDLL(None)\nh = (ctypes.c_uint32 * 2)(0x20080522, 0)\n"
+                "d = (ctypes.c_uint32 * 6)()\nlibc.capget(h, d)\nprint(sum(d), sum(libc.prctl(23, c, 0, 0, 0) == 1 "
+                "for c in range(41)))")
+        return run(code).stdout.split() == ["0", "0"]
+
+    return [("network", network), ("read project files", read_project), ("write host files", write_host),
+            ("fork bomb", fork_bomb), ("memory bomb", memory_bomb), ("capabilities", capabilities)]
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
-"""Forward-only logits of a vision-language model (images + text) at any TP/PP.
+"""Forward-only logits of a vision-language model (images, videos and text) at any TP/PP.
 
 Used by tests and the conversion tool's `verify`. Every row of `input_ids` is one sequence; the
 rows run as one packed THD row (as the trainer runs sequences) with their M-RoPE position ids
-(`mrope.mrope_position_ids`) concatenated, the images of all rows in `pixel_values` /
-`image_grid_thw` in row order (HF's layout), through megatron's pipeline schedule.
+(`mrope.vision_position_ids`) concatenated, the images of all rows in `pixel_values` /
+`image_grid_thw` in row order (HF's layout; videos likewise), through megatron's pipeline schedule.
 """
 
 from __future__ import annotations
@@ -20,14 +20,16 @@ def pack_rows(input_ids: torch.Tensor, position_ids: torch.Tensor) -> tuple[torc
 
 @torch.no_grad()
 def vlm_forward_logits(model_chunks, input_ids: torch.Tensor, pixel_values: torch.Tensor | None,
-                       image_grid_thw: torch.Tensor | None) -> torch.Tensor:
-    """Logits [b, s, V] (HF vocabulary, TP-gathered, float32, host) on every rank."""
+                       image_grid_thw: torch.Tensor | None, pixel_values_videos: torch.Tensor | None = None,
+                       video_grid_thw: torch.Tensor | None = None, second_per_grid_ts=None) -> torch.Tensor:
+    """Logits [b, s, V] (HF vocabulary, TP-gathered, float32, host) on every rank; videos as HF's
+    processor gives them (`second_per_grid_ts`: Qwen2.5-VL's seconds per temporal patch)."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megarl.models.builder import unwrap
-    from megarl.models.vision.mrope import mrope_position_ids
+    from megarl.models.vision.mrope import vision_position_ids
     from megarl.models.attention import thd_params
     from megarl.parallel.distributed import device
 
@@ -36,13 +38,14 @@ def vlm_forward_logits(model_chunks, input_ids: torch.Tensor, pixel_values: torc
         chunk.eval()
     last = unwrap(chunks[-1])
     v = last.arch_spec.vision
-    pos, _ = mrope_position_ids(input_ids, image_grid_thw, v.image_token_id, v.spatial_merge_size,
-                                video_token_id=v.video_token_id)
+    pos, _ = vision_position_ids(input_ids, v, image_grid_thw, video_grid_thw, second_per_grid_ts)
     ids, pos, cu = pack_rows(input_ids.cpu(), pos)
     ids, pos = ids.to(device()), pos.to(device())
     params = thd_params(cu, device=device())
     images = {} if pixel_values is None else {"pixel_values": pixel_values.to(device()),
                                               "image_grid_thw": image_grid_thw.cpu()}
+    if pixel_values_videos is not None:
+        images.update(pixel_values_videos=pixel_values_videos.to(device()), video_grid_thw=video_grid_thw.cpu())
 
     def step(data_iter, model):
         return model(next(data_iter), pos, None, packed_seq_params=params, **images), None

@@ -10,13 +10,16 @@ bridge, stream, checkpoints and PP schedules treat its LM like any dense family)
   used on the first stage only),
 - `image_mask` [b, s] (optional): the placeholder positions that hold images (default: every
   `image_token_id`; the trainer passes the prompts' ones, so a placeholder id in a response is text),
+- `pixel_values_videos`, `video_grid_thw`, `video_mask`: the same for videos (`video_token_id`
+  placeholders; the tower embeds a video's frames like an image's, t > 1),
 - `position_ids` [3, b, s] M-RoPE ids (`megarl.models.vision.mrope.mrope_position_ids`, needed on
   every stage), or 2-D [b, s] for text only: then every token gets (p, p, p), with p its position
   within its own sequence of a packed THD row (the packed row's offsets are not positions).
 
 On the first stage the input embeddings are the word embeddings with the image embeddings written,
-in order, at the `image_token_id` placeholders (row-major over [b, s], as HF's masked_scatter);
-under sequence parallelism they are scattered over TP only after that.
+in order, at the `image_token_id` placeholders (row-major over [b, s], as HF's masked_scatter), then
+the video embeddings at the `video_token_id` ones; under sequence parallelism they are scattered
+over TP only after that.
 """
 
 from __future__ import annotations
@@ -52,41 +55,50 @@ class Qwen2_5_VLModel(GPTModel):
         if self.config.context_parallel_size > 1:
             raise ValueError(f"{arch_spec.model_type} does not support context parallelism yet")
         self.image_token_id = arch_spec.vision.image_token_id
+        self.video_token_id = arch_spec.vision.video_token_id
         self.vision_model = self.tower_class(arch_spec, self.config) if self.pre_process else None
 
     def image_embeddings(self, pixel_values: torch.Tensor, image_grid_thw, image_mask: torch.Tensor) -> torch.Tensor:
-        """[n_image_tokens, h] embeddings of the images, in placeholder order (image_mask [b, s])."""
+        """[n_image_tokens, h] embeddings of the images (or videos), in placeholder order (image_mask
+        [b, s]: their placeholders)."""
         return self.vision_model(pixel_values, image_grid_thw)
 
-    def embed(self, input_ids: torch.Tensor, pixel_values=None, image_grid_thw=None, image_mask=None) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, pixel_values=None, image_grid_thw=None, image_mask=None,
+              pixel_values_videos=None, video_grid_thw=None, video_mask=None) -> torch.Tensor:
         """Decoder input [s, b, h] (the sequence-parallel slice under SP): word embeddings with the
-        image embeddings at the placeholder tokens (`image_mask` [b, s]: which ones, when not every
-        placeholder id is an image, e.g. one a policy generated)."""
+        image and video embeddings at their placeholder tokens (`image_mask` / `video_mask` [b, s]:
+        which ones, when not every placeholder id is one, e.g. one a policy generated)."""
         from megatron.core import tensor_parallel
 
         emb = self.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h], not SP-scattered
-        mask = input_ids == self.image_token_id if image_mask is None else image_mask
-        if pixel_values is not None:
-            if image_grid_thw is None:
-                raise ValueError("pixel_values without image_grid_thw")
-            image = self.image_embeddings(pixel_values, image_grid_thw, mask)
-            if int(mask.sum()) != image.shape[0]:
-                raise ValueError(f"{int(mask.sum())} image placeholder tokens but the images give "
-                                 f"{image.shape[0]} embeddings")
-            emb = emb.transpose(0, 1).masked_scatter(mask[..., None], image.to(emb.dtype)).transpose(0, 1)
-        elif bool(mask.any()):
-            raise ValueError("input_ids hold image placeholder tokens but no pixel_values were given")
+        for what, token, pixels, grid, mask in (
+                ("image", self.image_token_id, pixel_values, image_grid_thw, image_mask),
+                ("video", self.video_token_id, pixel_values_videos, video_grid_thw, video_mask)):
+            if mask is None:
+                mask = input_ids == token if token is not None else torch.zeros_like(input_ids, dtype=torch.bool)
+            if pixels is not None:
+                if grid is None:
+                    raise ValueError(f"{what} pixels without their grid_thw")
+                embeds = self.image_embeddings(pixels, grid, mask)
+                if int(mask.sum()) != embeds.shape[0]:
+                    raise ValueError(f"{int(mask.sum())} {what} placeholder tokens but the {what}s give "
+                                     f"{embeds.shape[0]} embeddings")
+                emb = emb.transpose(0, 1).masked_scatter(mask[..., None], embeds.to(emb.dtype)).transpose(0, 1)
+            elif bool(mask.any()):
+                raise ValueError(f"input_ids hold {what} placeholder tokens but no {what} pixels were given")
         if self.config.sequence_parallel:
             emb = tensor_parallel.scatter_to_sequence_parallel_region(emb.contiguous())
         return emb.contiguous()
 
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None,
                 inference_context=None, packed_seq_params=None, extra_block_kwargs=None,
-                runtime_gather_output=None, *, pixel_values=None, image_grid_thw=None, image_mask=None, **kwargs):
+                runtime_gather_output=None, *, pixel_values=None, image_grid_thw=None, image_mask=None,
+                pixel_values_videos=None, video_grid_thw=None, video_mask=None, **kwargs):
         if position_ids is not None and position_ids.dim() == 2:
             position_ids = text_mrope_positions(position_ids, packed_seq_params)
         if self.pre_process and decoder_input is None:
-            decoder_input = self.embed(input_ids, pixel_values, image_grid_thw, image_mask)
+            decoder_input = self.embed(input_ids, pixel_values, image_grid_thw, image_mask,
+                                       pixel_values_videos, video_grid_thw, video_mask)
         return super().forward(input_ids, position_ids, attention_mask, decoder_input=decoder_input,
                                labels=labels, inference_context=inference_context,
                                packed_seq_params=packed_seq_params, extra_block_kwargs=extra_block_kwargs,

@@ -6,8 +6,10 @@ layouts of `megarl.models.vision.bridge` (`replicated`, `row`, `col`, `fused_qkv
 weight and bias; the block MLP is fc1 (`col`) -> activation -> fc2 (`row`); the merger and each
 DeepStack merger are norm + `mlp.encoder.linear_fc1` (`col`) + `linear_fc2` (`row`, bias replicated).
 
-Experts: HF checkpoints (the released Qwen3-VL-MoE ones, and what megarl writes) hold each layer's
-experts as two tensors, with expert g at index g of dim 0:
+Experts: HF checkpoints hold each layer's experts as two tensors, with expert g at index g of dim 0,
+in the released layout below (the released Qwen3-VL-MoE checkpoints, and what megarl writes) or
+transposed ([E, 2I, H] / [E, H, I]: transformers 5's `save_pretrained`), which
+`megarl.weights.HFCheckpoint` presents in the released layout (`megarl.weights.expert_layout`):
 
 | layout          | HF tensor                                 | megatron local expert (ETP rank r of etp)  |
 | ---             | ---                                       | ---                                         |
@@ -15,7 +17,7 @@ experts as two tensors, with expert g at index g of dim 0:
 |                 | [g] = [gate_g; up_g]^T  ([2I, H]^T)       | [gate_g rows r*I/etp..; up_g rows r*I/etp..]|
 | experts_down    | mlp.experts.down_proj [E, I, H]: [g] = down_g^T | linear_fc2.weight [H, I/etp]: columns r*I/etp.. |
 
-(transformers >= 5 keeps them in memory transposed, [E, 2I, H] / [E, H, I], and converts on load.)
+(transformers >= 5 keeps them in memory transposed and converts on load.)
 A `ParamMap` of one local expert names the whole tensor, with `hf_expert` = g; `merge_fused_experts`
 turns the ETP shards of all local experts of a layer (stacked) into this EP rank's [E/ep, ...] part,
 and the weight stream concatenates the EP ranks' parts in rank order (g = e * E/ep + i).

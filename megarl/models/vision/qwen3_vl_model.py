@@ -1,6 +1,6 @@
-"""Qwen3-VL-MoE on megatron-core: `Qwen2_5_VLModel`'s structure (GPTModel + vision tower on the first
-pipeline stage, images written at the placeholder tokens) with the Qwen3-MoE LM, the Qwen3-VL tower
-(`qwen3_vl_tower`), interleaved M-RoPE and DeepStack.
+"""Qwen3-VL and Qwen3-VL-MoE on megatron-core: `Qwen2_5_VLModel`'s structure (GPTModel + vision
+tower on the first pipeline stage, images and videos written at their placeholder tokens) with the
+Qwen3 or Qwen3-MoE LM, the Qwen3-VL tower (`qwen3_vl_tower`), interleaved M-RoPE and DeepStack.
 
 Interleaved M-RoPE: megatron-core 0.16.1's `MultimodalRotaryEmbedding` gives each of the t / h / w
 axes a contiguous block of frequencies (its `rotary_interleaved` is the pairing of rotated channels,
@@ -12,7 +12,8 @@ HF adds feature k to the hidden states at the image tokens after LM layer k (k <
 
     h_k[image tokens] += deepstack_k        (h_k: output of decoder layer k, 0-based)
 
-Here `embed` scatters the features into dense addends [K, s, b, h] (zero outside the image tokens;
+Here `embed` scatters the features into dense addends [K, s, b, h] (zero outside the image and
+video tokens, each modality's features at its own placeholders, HF's joint visual mask;
 under sequence parallelism this rank's slice of s, the features' gradients then all-reduced over TP
 like those of the scattered input embeddings), which reach megatron's `TransformerBlock` as its
 `context` argument (a decoder-only layer passes it through untouched: its cross-attention is an
@@ -100,8 +101,11 @@ class Qwen3VLMoeModel(Qwen2_5_VLModel):
                 features = [copy_to_tensor_model_parallel_region(f)[picked] for f in features]
             b, s = image_mask.shape
             local = s // tp if sp else s
-            addends = image.new_zeros(len(features), local * b, image.shape[-1])
-            self._deepstack = addends.index_copy(1, rows, torch.stack(features)).view(len(features), local, b, -1)
+            addends = self._deepstack  # the images' when these are a video's (disjoint rows)
+            if addends is None:
+                addends = image.new_zeros(len(features), local, b, image.shape[-1])
+            self._deepstack = addends.view(len(features), local * b, -1).index_copy(
+                1, rows, torch.stack(features)).view(len(features), local, b, -1)
         return image
 
     def _pass_deepstack_to_decoder(self, module, args, kwargs):
@@ -109,12 +113,12 @@ class Qwen3VLMoeModel(Qwen2_5_VLModel):
         if addends is None:
             return None
         if kwargs.get("context") is not None:
-            raise ValueError("qwen3_vl_moe passes its DeepStack features as the decoder's `context`")
+            raise ValueError("Qwen3-VL passes its DeepStack features as the decoder's `context`")
         return args, {**kwargs, "context": addends}
 
-    def embed(self, input_ids, pixel_values=None, image_grid_thw=None, image_mask=None):
+    def embed(self, input_ids, *args, **kwargs):
         self._deepstack = None
-        return super().embed(input_ids, pixel_values, image_grid_thw, image_mask)
+        return super().embed(input_ids, *args, **kwargs)
 
     def forward(self, *args, **kwargs):
         try:

@@ -1,11 +1,14 @@
-"""Qwen3-VL-MoE (HF model_type `qwen3_vl_moe`, e.g. Qwen3-VL-30B-A3B) in megarl's family registry.
+"""Qwen3-VL (HF model_type `qwen3_vl`, e.g. Qwen3-VL-8B) and Qwen3-VL-MoE (`qwen3_vl_moe`, e.g.
+Qwen3-VL-30B-A3B, -235B-A22B) in megarl's family registry.
 
-The language model is Qwen3-MoE (q/k RMSNorm per head, GQA, no biases, every MLP a top-k softmax
-MoE whose top-k probabilities are always renormalised: HF's `Qwen3VLMoeTextTopKRouter` divides by
-their sum whatever the config says) with *interleaved* M-RoPE (`qwen3_vl_model.InterleavedMRoPE`).
-`ArchSpec.vision` is a `Qwen3VisionSpec`. HF checkpoints name the tensors `model.visual.*` (tower,
-merger, DeepStack mergers), `model.language_model.*` and `lm_head.weight`, and store each layer's
-experts as two fused tensors (`ArchSpec.hf_fused_experts`, layouts in `qwen3_vl_bridge`).
+The language model is Qwen3 (q/k RMSNorm per head, GQA, no biases) with *interleaved* M-RoPE
+(`qwen3_vl_model.InterleavedMRoPE`); in Qwen3-VL-MoE every MLP is a top-k softmax MoE whose top-k
+probabilities are always renormalised (HF's `Qwen3VLMoeTextTopKRouter` divides by their sum
+whatever the config says). `ArchSpec.vision` is a `Qwen3VisionSpec`. HF checkpoints name the
+tensors `model.visual.*` (tower, merger, DeepStack mergers), `model.language_model.*` and
+`lm_head.weight`; Qwen3-VL-MoE stores each layer's experts as two fused tensors
+(`ArchSpec.hf_fused_experts`, layouts in `qwen3_vl_bridge`, both on-disk layouts read by
+`megarl.weights.expert_layout`).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ class Qwen3VisionSpec(PatchGeometry):
     image_token_id: int
     video_token_id: int | None
 
+    video_frame_runs = True  # one run per temporal patch of a video, each after its timestamp text
 
     @property
     def position_grid_side(self) -> int:
@@ -58,22 +62,22 @@ class Qwen3VisionSpec(PatchGeometry):
         return int(self.num_position_embeddings**0.5)
 
 
-def _fail(what: str):
-    raise UnsupportedModelError(f"model_type='qwen3_vl_moe': {what} is not supported")
+def _fail(what: str, model_type: str = "qwen3_vl_moe"):
+    raise UnsupportedModelError(f"model_type={model_type!r}: {what} is not supported")
 
 
 def qwen3_vision_spec(hf_config: Any) -> Qwen3VisionSpec:
-    v = hf_config.vision_config
+    v, mt = hf_config.vision_config, hf_config.model_type
     if v.hidden_act not in VISION_ACTIVATIONS:
-        _fail(f"vision hidden_act={v.hidden_act!r} (supported: {list(VISION_ACTIVATIONS)})")
+        _fail(f"vision hidden_act={v.hidden_act!r} (supported: {list(VISION_ACTIVATIONS)})", mt)
     rope = getattr(v, "rope_parameters", None) or {}
     if rope.get("rope_type", "axial") != "axial":
-        _fail(f"vision rope_type={rope.get('rope_type')!r}")
+        _fail(f"vision rope_type={rope.get('rope_type')!r}", mt)
     if v.hidden_size % v.num_heads:
-        _fail(f"vision hidden_size={v.hidden_size} not divisible by num_heads={v.num_heads}")
+        _fail(f"vision hidden_size={v.hidden_size} not divisible by num_heads={v.num_heads}", mt)
     indexes = tuple(int(i) for i in v.deepstack_visual_indexes)
     if any(not 0 <= i < v.depth for i in indexes):
-        _fail(f"deepstack_visual_indexes={list(indexes)} outside the {v.depth} vision blocks")
+        _fail(f"deepstack_visual_indexes={list(indexes)} outside the {v.depth} vision blocks", mt)
     return Qwen3VisionSpec(
         depth=v.depth, hidden_size=v.hidden_size, ffn_hidden_size=v.intermediate_size, num_heads=v.num_heads,
         head_dim=v.hidden_size // v.num_heads, hidden_act=v.hidden_act, in_channels=v.in_channels,
@@ -84,21 +88,36 @@ def qwen3_vision_spec(hf_config: Any) -> Qwen3VisionSpec:
         image_token_id=int(hf_config.image_token_id), video_token_id=int(hf_config.video_token_id))
 
 
-@register_family("qwen3_vl_moe", vision_language=True)
-def qwen3_vl_moe(hf_config: Any) -> ArchSpec:
-    """Qwen3-VL-MoE: the Qwen3-MoE LM of `text_config` with interleaved M-RoPE, the vision tower
-    and its DeepStack mergers."""
-    text = hf_config.text_config
-    lm = _moe(text, _qwen3_dense(text), shared_expert_ffn=0)
-    section = tuple(int(x) for x in (getattr(text, "rope_parameters", None) or {}).get("mrope_section") or ())
+def _qwen3_vl(hf_config: Any, lm: ArchSpec, **moe) -> ArchSpec:
+    """The LM spec `lm` of `text_config` with interleaved M-RoPE, the vision tower and its DeepStack
+    mergers, HF's `model.language_model.` names."""
+    model_type = hf_config.model_type
+    section = tuple(int(x) for x in (getattr(hf_config.text_config, "rope_parameters", None) or {})
+                    .get("mrope_section") or ())
     if len(section) != 3 or sum(section) != lm.head_dim // 2:
-        _fail(f"mrope_section={list(section)} (need 3 sections summing to head_dim/2 = {lm.head_dim // 2})")
+        _fail(f"mrope_section={list(section)} (need 3 sections summing to head_dim/2 = {lm.head_dim // 2})",
+              model_type)
     vision = qwen3_vision_spec(hf_config)
     if vision.out_hidden_size != lm.hidden_size:
-        _fail(f"vision out_hidden_size={vision.out_hidden_size} != text hidden_size={lm.hidden_size}")
+        _fail(f"vision out_hidden_size={vision.out_hidden_size} != text hidden_size={lm.hidden_size}", model_type)
     if len(vision.deepstack_visual_indexes) > lm.num_layers:
-        _fail(f"{len(vision.deepstack_visual_indexes)} DeepStack features for {lm.num_layers} LM layers")
+        _fail(f"{len(vision.deepstack_visual_indexes)} DeepStack features for {lm.num_layers} LM layers", model_type)
     return dataclasses.replace(
-        lm, model_type="qwen3_vl_moe", mrope_section=section, vision=vision, norm_topk_prob=True,
-        hf_prefix="model.language_model.", hf_fused_experts=True,
-        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)))
+        lm, model_type=model_type, mrope_section=section, vision=vision, hf_prefix="model.language_model.",
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)), **moe)
+
+
+@register_family("qwen3_vl_moe", vision_language=True)
+def qwen3_vl_moe(hf_config: Any) -> ArchSpec:
+    """Qwen3-VL-MoE: the Qwen3-MoE LM of `text_config` (fused expert tensors), interleaved M-RoPE,
+    the vision tower and its DeepStack mergers."""
+    text = hf_config.text_config
+    return _qwen3_vl(hf_config, _moe(text, _qwen3_dense(text), shared_expert_ffn=0), norm_topk_prob=True,
+                     hf_fused_experts=True)
+
+
+@register_family("qwen3_vl", vision_language=True)
+def qwen3_vl(hf_config: Any) -> ArchSpec:
+    """Qwen3-VL (dense): the Qwen3 LM of `text_config`, interleaved M-RoPE, the vision tower and its
+    DeepStack mergers."""
+    return _qwen3_vl(hf_config, _qwen3_dense(hf_config.text_config))

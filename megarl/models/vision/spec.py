@@ -29,6 +29,9 @@ class PatchGeometry:
         """Merger input width: hidden_size * m^2."""
         return self.hidden_size * self.spatial_merge_size**2
 
+    # Qwen3-VL writes each temporal patch of a video as a run of its own (`mrope.video_frame_grids`)
+    video_frame_runs = False
+
 
 @dataclass(frozen=True)
 class VisionSpec(PatchGeometry):
@@ -53,7 +56,7 @@ class VisionSpec(PatchGeometry):
     norm_eps: float
     image_token_id: int
     video_token_id: int | None
-
+    tokens_per_second: int = 4  # M-RoPE temporal ids per second of video (HF vision_config.tokens_per_second)
 
 
 def _fail(what: str):
@@ -75,7 +78,8 @@ def vision_spec(hf_config: Any) -> VisionSpec:
         temporal_patch_size=int(v.temporal_patch_size), spatial_merge_size=v.spatial_merge_size,
         window_size=v.window_size, fullatt_block_indexes=tuple(int(i) for i in v.fullatt_block_indexes),
         out_hidden_size=v.out_hidden_size, rope_theta=float(rope.get("rope_theta", 10000.0)), norm_eps=1e-6,
-        image_token_id=int(hf_config.image_token_id), video_token_id=int(hf_config.video_token_id))
+        image_token_id=int(hf_config.image_token_id), video_token_id=int(hf_config.video_token_id),
+        tokens_per_second=int(getattr(v, "tokens_per_second", 4)))
 
 
 @register_family("qwen2_5_vl", vision_language=True)

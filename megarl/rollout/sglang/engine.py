@@ -30,7 +30,9 @@ group a timeout longer than the longest generation (`megarl.trainer.build.engine
   the owner over gloo, and the owner calls
   `update_weights_from_tensor(payloads, load_format="flattened_bucket", flush_cache=<last bucket>)`,
   inside `begin_weight_update()` / `end_weight_update()` on SGLang >= 0.5.21. Needs the
-  "weights" region resident; the KV cache may stay released.
+  "weights" region resident; the KV cache may stay released. DeepSeek-V3 / Kimi-K2: the fused
+  q_a / kv_a projections travel in one bucket and an engine started from block-FP8 weights gets
+  them quantized (`megarl.rollout.sglang.weights`).
 - release_memory(tags) / resume_memory(tags): `release_memory_occupation(tags=...)` /
   `resume_memory_occupation(tags=...)` on the regions "kv_cache", "weights", "cuda_graph" (None:
   all), sending only the regions whose state changes (needs `enable_memory_saver=True`, which
@@ -76,6 +78,7 @@ from megarl.rollout.sglang.requests import (
     GenerateCall, ReleasedMemory, check_generate_request, engine_launch_env, gather_to_owner,
     memory_tags, needs_weight_update_session, rebucket, request_seeds, run_on_owner, run_segment,
     with_last_flag)
+from megarl.rollout.sglang.weights import fp8_names, keep_partners_together, quantized
 from megarl.rollout.torch_moe import sample_routing
 from megarl.rollout.types import Sample, SamplingParams
 
@@ -127,6 +130,7 @@ class SGLangEngine:
             server_kwargs["enable_return_routed_experts"] = True
             self.routing_shape = (int(config["num_hidden_layers"]), int(config["num_experts_per_tok"]))
         self._routing: dict[tuple[int, ...], torch.Tensor] = {}  # full sequence -> experts, of this call
+        self.fp8 = fp8_names(self.model_path)  # (names stored block-FP8, block) or None
         self.load_format = load_format
         self.weights_valid = False
         self.weight_version = 0
@@ -246,8 +250,11 @@ class SGLangEngine:
     def _call(self, call: GenerateCall) -> list[dict]:
         extra = {"return_routed_experts": True} if self.return_routed_experts else {}
         if call.images is not None:
-            extra["image_data"] = image_data(call.images)
-        check_generate_request(call.input_ids, call.sampling_params, extra.get("image_data"))
+            if any(im is not None and im.pixel_values is not None for im in call.images):
+                extra["image_data"] = image_data(call.images)
+            if any(im is not None and im.pixel_values_videos is not None for im in call.images):
+                extra["video_data"] = video_data(call.images)
+        check_generate_request(call.input_ids, call.sampling_params, extra.get("image_data"), extra.get("video_data"))
         outputs = self._engine.generate(input_ids=call.input_ids,
                                         sampling_params=call.sampling_params, return_logprob=True, **extra)
         outputs = outputs if isinstance(outputs, list) else [outputs]
@@ -316,7 +323,9 @@ class SGLangEngine:
                                           "begin_weight_update"), self.group)
         device = torch.device("cuda", torch.cuda.current_device())
         keep_alive: collections.deque = collections.deque(maxlen=2)
-        for bucket, is_last in with_last_flag(rebucket(stream, self.bucket_bytes)):
+        if self.fp8 is not None:  # an engine started from block-FP8 weights gets FP8 weights
+            stream = quantized(stream, *self.fp8)
+        for bucket, is_last in with_last_flag(keep_partners_together(rebucket(stream, self.bucket_bytes))):
             named = [(name, t.to(device, non_blocking=True).contiguous()) for name, t in bucket]
             flat = FlattenedTensorBucket(named_tensors=named)
             keep_alive.append((named, flat))
@@ -419,5 +428,14 @@ def image_data(images: Sequence) -> list:
     and image_grid_thw of all its images), empty for a text request. Every entry is a list, never
     None: SGLang keeps the entries per request only when the first one is a list
     (`check_generate_request`)."""
-    return [[] if im is None else [{"format": "processor_output", "pixel_values": im.pixel_values,
-                                    "image_grid_thw": im.image_grid_thw}] for im in images]
+    return [[] if im is None or im.pixel_values is None else
+            [{"format": "processor_output", "pixel_values": im.pixel_values, "image_grid_thw": im.image_grid_thw}]
+            for im in images]
+
+
+def video_data(images: Sequence) -> list:
+    """SGLang's `video_data`, the same contract as `image_data` for the requests' videos: per
+    request a list, with one processor-output item (pixel_values_videos, video_grid_thw and, for
+    Qwen2.5-VL, second_per_grid_ts of all its videos), empty for a request without videos."""
+    return [[] if im is None or im.pixel_values_videos is None else
+            [{"format": "processor_output", **im.video_fields()}] for im in images]

@@ -122,7 +122,8 @@ def _per_request(seeds: Sequence[int | None] | None, n: int) -> list[int | None]
     return list(seeds)
 
 
-def check_generate_request(input_ids: Any, sampling_params: Any, image_data: Any = None) -> None:
+def check_generate_request(input_ids: Any, sampling_params: Any, image_data: Any = None,
+                           video_data: Any = None) -> None:
     """Raises ValueError unless an `Engine.generate` call is in the shape SGLang reads per request.
 
     - input_ids: a list of non-empty token-id lists (a batch; flat ids would be one request),
@@ -132,24 +133,26 @@ def check_generate_request(input_ids: Any, sampling_params: Any, image_data: Any
       entry is a list and otherwise wraps every entry again (srt/managers/io_struct.py,
       GenerateReqInput._normalize_image_data), so a None entry first hides the next requests'
       items; and a processor-output item must be its request's only one
-      (srt/multimodal/processors/base_processor.py, _validate_one_modality).
+      (srt/multimodal/processors/base_processor.py, _validate_one_modality);
+    - video_data: the same rules (one processor-output item holds all of a request's videos).
     """
     if not isinstance(input_ids, list) or not all(isinstance(ids, list) and ids for ids in input_ids):
         raise ValueError("SGLang request: input_ids must be a list of non-empty token-id lists")
     if not isinstance(sampling_params, list) or len(sampling_params) != len(input_ids) \
             or not all(isinstance(d, dict) for d in sampling_params):
         raise ValueError(f"SGLang request: one sampling dict per request ({len(input_ids)} requests)")
-    if image_data is None:
-        return
-    if not isinstance(image_data, list) or len(image_data) != len(input_ids):
-        raise ValueError(f"SGLang request: image_data must hold one entry per request ({len(input_ids)})")
-    for i, items in enumerate(image_data):
-        if not isinstance(items, list) or len(items) > 1:
-            raise ValueError(f"SGLang request: image_data[{i}] must be a list of at most one item "
-                             f"(got {type(items).__name__})")
-        if items and not (isinstance(items[0], dict) and items[0].get("format") == "processor_output"):
-            raise ValueError(f"SGLang request: image_data[{i}] holds a {type(items[0]).__name__}, "
-                             "not a processor_output dict")
+    for what, data in (("image_data", image_data), ("video_data", video_data)):
+        if data is None:
+            continue
+        if not isinstance(data, list) or len(data) != len(input_ids):
+            raise ValueError(f"SGLang request: {what} must hold one entry per request ({len(input_ids)})")
+        for i, items in enumerate(data):
+            if not isinstance(items, list) or len(items) > 1:
+                raise ValueError(f"SGLang request: {what}[{i}] must be a list of at most one item "
+                                 f"(got {type(items).__name__})")
+            if items and not (isinstance(items[0], dict) and items[0].get("format") == "processor_output"):
+                raise ValueError(f"SGLang request: {what}[{i}] holds a {type(items[0]).__name__}, "
+                                 "not a processor_output dict")
 
 
 # ---------------------------------------------------------------------------- outputs
