@@ -22,18 +22,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from launch_common import (  # noqa: E402
-    REPO,
-    TRAIN_MODULE,
-    ConfigError,
-    add_common_arguments,
-    check_config,
-    fail,
-    compose,
-    from_dict,
-    parse_env,
-    train_args,
-)
+from launch_common import REPO, TRAIN_MODULE, ConfigError, add_common_arguments, check_config  # noqa: E402
+from launch_common import fail, compose, from_dict, parse_env, train_args  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:

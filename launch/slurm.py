@@ -30,18 +30,8 @@ import zlib
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from launch_common import (  # noqa: E402
-    TRAIN_MODULE,
-    ConfigError,
-    add_common_arguments,
-    check_config,
-    fail,
-    git_is_dirty,
-    compose,
-    from_dict,
-    parse_env,
-    train_args,
-)
+from launch_common import TRAIN_MODULE, ConfigError, add_common_arguments, check_config, fail  # noqa: E402
+from launch_common import git_is_dirty, compose, from_dict, parse_env, train_args  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:

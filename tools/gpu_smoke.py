@@ -171,21 +171,14 @@ def tiny_model_dir(ctx: Ctx) -> Path:
     makes every logit ~0 and the comparisons toothless); every rank builds the same one."""
     if "hf_dir" in ctx.cache:
         return ctx.cache["hf_dir"]
-    import torch
-
     from megarl.tasks.tiny_model import TinyModelSpec, build_byte_tokenizer, build_tiny_qwen2, save_tiny_model
+    from tools.smoke import randomize_
 
     spec = TinyModelSpec(layers=2, hidden=256, heads=4, kv_heads=2, intermediate=512,
                          max_position_embeddings=512, seed=0)
     tok = build_byte_tokenizer()
     model = build_tiny_qwen2(tok, spec)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * (0.1 if p.dim() > 1 else 0.05))
+    randomize_(model, seed=0)
     out = save_tiny_model(ctx.work / f"tiny-qwen2-rank{ctx.rank}", spec, model=model, tokenizer=tok)
     ctx.cache["hf_dir"] = out
     return out

@@ -16,26 +16,19 @@ import argparse
 
 from megarl.tasks.arith import write_task_files  # noqa: E402
 from megarl.tasks.tiny_model import TinyModelSpec, save_tiny_model  # noqa: E402
+from tools._options import add_options
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="model output directory")
-    p.add_argument("--layers", type=int, default=3)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--intermediate", type=int, default=384)
-    p.add_argument("--max-position-embeddings", type=int, default=256)
+    add_options(p, layers=3, hidden=128, heads=4, kv_heads=2, intermediate=384, max_position_embeddings=256)
     p.add_argument("--tie-word-embeddings", action="store_true")
     p.add_argument("--rope-theta", type=float, default=10000.0)
     p.add_argument("--vocab-multiple", type=int, default=64, help="round vocab_size up to a multiple of this")
     p.add_argument("--seed", type=int, default=0, help="model init seed and task data seed")
     p.add_argument("--task-dir", default=None, help="also write the arithmetic task files here")
-    p.add_argument("--digits", type=int, default=3)
-    p.add_argument("--n-sft", type=int, default=20000)
-    p.add_argument("--n-train", type=int, default=5000)
-    p.add_argument("--n-eval", type=int, default=500)
+    add_options(p, digits=3, n_sft=20000, n_train=5000, n_eval=500)
     a = p.parse_args(argv)
     spec = TinyModelSpec(layers=a.layers, hidden=a.hidden, heads=a.heads, kv_heads=a.kv_heads,
                          intermediate=a.intermediate, max_position_embeddings=a.max_position_embeddings,

@@ -18,6 +18,7 @@ import time
 import torch
 
 from megarl.algorithms import compute_gae, grpo_advantages, place_outcome_reward, policy_loss
+from tools._options import add_options
 
 
 def best_of(fn, repeats: int) -> tuple[tuple[float, float], object]:
@@ -117,12 +118,7 @@ def row(name: str, fast: tuple[float, float], slow: tuple[float, float], note: s
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--batch", type=int, default=512)
-    p.add_argument("--tokens", type=int, default=20480)
-    p.add_argument("--naive-rows", type=int, default=4)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--group-size", type=int, default=16)
-    p.add_argument("--micro-batch-rows", type=int, default=8)
+    add_options(p, batch=512, tokens=20480, naive_rows=4, repeats=3, group_size=16, micro_batch_rows=8)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: cpu time = compute cost)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)

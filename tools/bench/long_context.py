@@ -29,6 +29,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from tools._options import add_options
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -146,11 +147,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     p.add_argument("--cp", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=8192)
+    add_options(p, hidden=256, layers=4, heads=4, kv_heads=2, vocab=8192)
     p.add_argument("--chunk", type=int, default=4096, help="model.logprob_chunk_tokens")
     p.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
                    help="model.recompute: activation recomputation (full: every layer, uniform, 1 layer per chunk)")

@@ -14,6 +14,7 @@ import tempfile
 import time
 
 import torch
+from tools._options import add_options
 
 
 def build_model(device: str, dtype: torch.dtype):
@@ -78,9 +79,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--prompts", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=2)
+    add_options(parser, prompts=32, new_tokens=64, repeats=2)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     args = parser.parse_args()
     if args.threads > 0:

@@ -16,6 +16,7 @@ import argparse
 import os
 import sys
 import time
+from tools._options import add_options
 
 
 
@@ -72,12 +73,7 @@ def bench(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--bucket-mb", type=float, default=64.0)
-    p.add_argument("--repeats", type=int, default=5)
+    add_options(p, tp=2, layers=4, hidden=256, vocab=32000, bucket_mb=64.0, repeats=5)
     args = p.parse_args(argv)
     if "LOCAL_RANK" in os.environ:
         bench(args)

@@ -16,19 +16,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from tools._options import add_options
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hf", required=True, help="HF model directory (e.g. a quickstart's sft_actor/hf)")
     p.add_argument("--task", required=True, help="prompt rows (.jsonl with problem, answer, data_source)")
-    p.add_argument("--template", default="arith")
-    p.add_argument("--prompts", type=int, default=64)
-    p.add_argument("--n", type=int, default=4)
-    p.add_argument("--max-new", type=int, default=160)
-    p.add_argument("--window", type=int, default=56)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1)
+    add_options(p, template="arith", prompts=64, n=4, max_new=160, window=56, rounds=3, threads=1)
     a = p.parse_args(argv)
 
     import torch

@@ -28,6 +28,7 @@ from megarl.algorithms.losses import policy_loss  # noqa: E402
 from megarl.algorithms.outcome import grpo_advantages  # noqa: E402
 from megarl.data.templates import apply_template  # noqa: E402
 from megarl.tasks.arith import extract_answer  # noqa: E402
+from tools._options import add_options
 
 
 @torch.no_grad()
@@ -65,17 +66,9 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--init", required=True, help="HF model + tokenizer directory")
     p.add_argument("--task-dir", required=True, help="directory with train.jsonl and eval.jsonl")
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--prompts", type=int, default=32)
-    p.add_argument("--samples", type=int, default=8)
+    add_options(p, steps=40, prompts=32, samples=8)
     p.add_argument("--mini-batch", type=int, default=64, help="samples per optimizer step")
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--clip", type=float, default=0.2)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--max-new", type=int, default=80)
-    p.add_argument("--eval-every", type=int, default=10)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
+    add_options(p, lr=1e-4, clip=0.2, temperature=1.0, max_new=80, eval_every=10, threads=2, seed=0)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)

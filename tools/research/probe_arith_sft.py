@@ -25,6 +25,7 @@ import torch
 from megarl.tasks.arith import cot_response, extract_answer, problem_text, sample_operand  # noqa: E402
 from megarl.data.templates import apply_template  # noqa: E402
 from megarl.tasks.tiny_model import TinyModelSpec, build_byte_tokenizer, build_tiny_qwen2  # noqa: E402
+from tools._options import add_options
 
 
 def make_split(rng: random.Random, digits: int, n: int, taken: set) -> list[tuple[int, int]]:
@@ -75,20 +76,9 @@ def greedy_accuracy(model, tok, pairs, max_new: int, eos: int) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--digits", type=int, default=3)
-    p.add_argument("--layers", type=int, default=3)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--intermediate", type=int, default=384)
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--eval-every", type=int, default=25)
-    p.add_argument("--n-eval", type=int, default=200)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
+    add_options(
+        p, digits=3, layers=3, hidden=128, heads=4, kv_heads=2, intermediate=384, steps=400, lr=2e-3, warmup=10,
+        batch=64, eval_every=25, n_eval=200, threads=1, seed=0)
     p.add_argument("--max-seconds", type=float, default=170.0, help="stop when the run's wall time exceeds this")
     p.add_argument("--save", default=None, help="save model/optimizer/step here at the end")
     p.add_argument("--resume", default=None, help="continue from a --save directory")

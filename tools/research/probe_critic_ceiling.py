@@ -41,6 +41,7 @@ import json
 from pathlib import Path
 
 import torch
+from tools._options import add_options
 
 
 
@@ -252,10 +253,7 @@ def main(argv=None) -> None:
     p.add_argument("--policy", required=True, help="HF dir of the policy that samples")
     p.add_argument("--trunks", default="", help="comma-separated HF dirs whose hidden states are probed")
     p.add_argument("--task", required=True, help="arith prompt rows (problem, answer)")
-    p.add_argument("--prompts", type=int, default=160)
-    p.add_argument("--samples", type=int, default=8)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=1)
+    add_options(p, prompts=160, samples=8, temperature=1.0, seed=1)
     p.add_argument("--fit-steps", type=int, default=0,
                    help="also fit a critic (--fit-trunk, else the first --trunks dir, else the policy; all trained) "
                         "for this many steps")

@@ -48,6 +48,7 @@ import torch
 from megarl.tasks.tiny_vlm import (VISION_TOKENS, TinyVLMSpec, build_image_processor, build_tiny_vlm,  # noqa: E402
                                    build_vlm_tokenizer, expand_image_markers)
 from megarl.tasks.vlm_count import CountSpec, make_examples  # noqa: E402
+from tools._options import add_options
 
 
 class Batcher:
@@ -199,10 +200,7 @@ def eval_line(model, batcher, eval_set, a, max_new: int) -> str:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=300, help="SFT steps")
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--eval-every", type=int, default=25)
+    add_options(p, lr=2e-3, warmup=10, batch=64, eval_every=25)
     p.add_argument("--rl-steps", type=int, default=0, help="GRPO steps after the SFT (0: none)")
     p.add_argument("--rl-lr", type=float, default=1e-4)
     p.add_argument("--rl-prompts", type=int, default=32)
@@ -211,11 +209,7 @@ def main() -> None:
     p.add_argument("--n-eval", type=int, default=200)
     p.add_argument("--n-sample-eval", type=int, default=64, help="boards for the T=1 accuracy / pass@k (0: skip)")
     p.add_argument("--samples", type=int, default=8, help="samples a board (T=1 eval and RL groups)")
-    p.add_argument("--grid", type=int, default=6)
-    p.add_argument("--cell", type=int, default=8)
-    p.add_argument("--min-side", type=int, default=4)
-    p.add_argument("--max-side", type=int, default=7)
-    p.add_argument("--max-count", type=int, default=6)
+    add_options(p, grid=6, cell=8, min_side=4, max_side=7, max_count=6)
     p.add_argument("--asked", default="red", help="colours the questions name (comma-separated)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from tools._options import add_options
 
 QUANTILES = (10, 25, 50, 75, 90, 99)
 
@@ -133,9 +134,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--metrics", type=Path, help="a run's metrics.jsonl: lengths from its response_length/p* rows")
     p.add_argument("--last", type=int, help="with --metrics: only the last N rows")
-    p.add_argument("--median", type=float, default=3500.0)
-    p.add_argument("--sigma", type=float, default=0.75)
-    p.add_argument("--max-len", type=int, default=20480)
+    add_options(p, median=3500.0, sigma=0.75, max_len=20480)
     p.add_argument("--batch", type=int, default=8192, help="samples generated at once (prompts x n)")
     p.add_argument("--n", type=int, default=16, help="samples per prompt: T-PPO refills slots in groups of n")
     p.add_argument("--prompt-len", type=int, default=200)

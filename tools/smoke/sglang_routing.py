@@ -46,21 +46,14 @@ def write_tiny_moe(out: str | Path) -> Path:
     """A tiny random Qwen3-MoE (2 layers, hidden 256, 4 / 2 heads of dim 64, 8 experts top-2, byte
     tokenizer) with weights redrawn at std 0.1 (norms in [0.5, 1.5]): HF's 0.02 would leave the
     router logits nearly tied, and a bf16 engine would then pick other experts than fp32 HF."""
-    import torch
-
     from megarl.tasks.tiny_model import TinyModelSpec, build_byte_tokenizer, build_tiny_model, save_tiny_model
+    from tools.smoke import randomize_
 
     spec = TinyModelSpec(layers=2, hidden=256, heads=4, kv_heads=2, intermediate=512, max_position_embeddings=512,
                          seed=0, family="qwen3_moe", num_experts=8, moe_topk=2, moe_intermediate=128)
     tok = build_byte_tokenizer()
     model = build_tiny_model(tok, spec)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * (0.1 if p.dim() > 1 else 0.05))
+    randomize_(model, seed=1)
     return save_tiny_model(out, spec, model=model, tokenizer=tok)
 
 
