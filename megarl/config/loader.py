@@ -239,7 +239,7 @@ class _Converter:
         if origin in (typing.Union, types.UnionType):
             args = typing.get_args(tp)
             if value is None:
-                return (type(None) in args), None, f"got null"
+                return (type(None) in args), None, "got null"
             for arg in args:
                 if arg is type(None):
                     continue

@@ -2,7 +2,6 @@
 placeholder expansion against HF's own processor, and rows with bad images skipped by name."""
 
 import base64
-import io
 import json
 import logging
 

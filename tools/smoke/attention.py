@@ -11,6 +11,9 @@
   chunk sets (chunks r and 3-r of every sequence) runs through the varlen kernel over the keys of
   its prefixes (`cp_prefix_segments`, bottom-right causal) and must equal those rows of the
   whole row's attention, gradients included.
+- `mla_check`: multi-latent attention's widths (queries and keys 192, values 128, 16 heads, no
+  GQA): the fast kernels zero-pad the values to one width and cut the output back; varlen (CUDA,
+  bf16) and sdpa (fp32 on CPU, bf16 on CUDA) against the float32 blockwise reference.
 Errors are relative: ||x - ref|| / ||ref||; bf16 rounding alone gives ~4e-3.
 """
 
@@ -137,11 +140,44 @@ def cp_check(device: str = "cuda", cp: int = 2) -> dict:
     return worst
 
 
+def mla_check(device: str) -> dict:
+    """The MLA widths through sdpa (and varlen on CUDA) against float32 blockwise."""
+    import torch
+
+    from megarl.models import attention_kernels as K
+    from megarl.models.attention import sequence_coords
+    from megarl.models.attention_blockwise import blockwise_attention
+
+    cuda = device == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    g = torch.Generator().manual_seed(3)
+    cu = [0]
+    for n in LENGTHS:
+        cu.append(cu[-1] + n)
+    q, k = (torch.randn(cu[-1], 16, 192, generator=g).to(device=device, dtype=dtype) for _ in range(2))
+    v = torch.randn(cu[-1], 16, 128, generator=g).to(device=device, dtype=dtype)
+    scale = 192 ** -0.5
+    seq, pos = sequence_coords(cu, device=device)
+    w = torch.randn(cu[-1], 16, 128, device=device)
+    block = lambda q, k, v: blockwise_attention(q, k, v, scale, seq, pos, seq, pos)
+    ref = _run(block, q.float(), k.float(), v.float(), w)
+    groups, inverse = K.padded_groups(cu, device)
+    sdpa = lambda q, k, v: K.sdpa_attention(q, k, v, scale, groups, inverse)
+    out = {"dtype": str(dtype).replace("torch.", "")}
+    out.update(_errors("mla_sdpa", _run(sdpa, q, k, v, w), ref))
+    if cuda and K.varlen_function() is not None:
+        seg = K.self_segments(cu, device=device)
+        varlen = lambda q, k, v: K.varlen_attention(q, k, v, scale, seg)
+        out.update(_errors("mla_varlen", _run(varlen, q, k, v, w), ref))
+    return out
+
+
 def main() -> int:
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     print("kernel_check", kernel_check(device))
+    print("mla_check", mla_check(device))
     if device == "cuda":
         print("cp_check", cp_check())
     return 0
