@@ -36,6 +36,10 @@ class ModelConfig:
     )
     critic_load: str | None = doc_field(None, "megatron torch_dist checkpoint dir of the critic (e.g. a pretrained value model)")
     dtype: Literal["fp32", "bf16", "fp16"] = doc_field("bf16", "parameter / compute dtype of the trained models")
+    attention_kernel: Literal["auto", "varlen", "sdpa", "blockwise"] = doc_field(
+        "auto", "kernel of megarl's own core attention (transformer_impl=local): auto = torch's FlashAttention varlen "
+        "on CUDA in bf16/fp16, SDPA on padded groups elsewhere at cp=1, blockwise under CP; a forced kernel that "
+        "cannot run here fails at the first forward (blockwise: the reference, and the CPU kernel before 2026-11-27)")
     attention_backend: Literal["auto", "flash", "fused", "unfused", "local"] = doc_field(
         "auto", "megatron-core AttnBackend: which Transformer Engine attention kernels may run (sets NVTE_*_ATTN); "
         "'local' turns all three off, so it is refused unless transformer_impl=local, whose core attention is "

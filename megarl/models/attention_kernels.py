@@ -39,6 +39,15 @@ SDPA_MAX_PADDING = 2.0  # a padded group holds at most this many times its real 
 _forced = "auto"
 
 
+def use_kernel(name: str) -> None:
+    """From now on every local attention of this process uses `name` ("auto": the choice of
+    `select_kernel`); `model.attention_kernel`, set when a model is built."""
+    global _forced
+    if name not in KERNELS:
+        raise ValueError(f"unknown attention kernel {name!r} (choose from {', '.join(KERNELS)})")
+    _forced = name
+
+
 @contextlib.contextmanager
 def forced_kernel(name: str):
     """Within the block, every local attention uses `name` ("auto" restores the choice)."""

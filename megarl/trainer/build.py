@@ -79,8 +79,10 @@ def _train_model(cfg: MegaRLConfig, hf_config, optim, load: str | None, value_he
     one, the HF safetensors of model.hf_path (rank-local slice reads)."""
     from megatron.core import parallel_state as ps
 
+    from megarl.models.attention_kernels import use_kernel
     from megarl.weights import load_hf_weights
 
+    use_kernel(cfg.model.attention_kernel)
     model = TrainModel(hf_config, optim, value_head=value_head, dtype=cfg.model.dtype,
                        impl=resolve_impl(cfg.model), total_steps=cfg.trainer.total_steps,
                        padded_vocab=_padded_vocab(load, ps.get_tensor_model_parallel_world_size()),

@@ -240,6 +240,18 @@ def obs_actor(ctx, cfg):
     return _model_obs(actor, cfg)
 
 
+def obs_attention_kernel(ctx, cfg):
+    """The kernel megarl's local attention runs on the built actor's rows (fp32, host)."""
+    import torch
+
+    from megarl.models.attention_kernels import select_kernel
+    from megarl.trainer import build
+
+    hf, _ = _hf(ctx, cfg)
+    build.build_actor(cfg, hf)
+    return select_kernel("cpu", torch.float32, cfg.parallel.cp)
+
+
 def _model_obs(model, cfg):
     oc = model.optimizer.config
     batch = fixed_batch(cfg)
@@ -663,6 +675,7 @@ WITNESSES = {
     "model.load": W("{root}/ckpt_actor", obs_actor),
     "model.critic_load": W("{root}/ckpt_critic", obs_critic),
     "model.dtype": W("bf16", obs_actor),
+    "model.attention_kernel": W("blockwise", obs_attention_kernel),
     "model.attention_backend": W("flash", obs_model_options),
     "model.transformer_impl": W("transformer_engine", obs_impl),
     "model.fp8": W("hybrid", obs_model_options, "model.fp8=e4m3", "model.transformer_impl=transformer_engine",
