@@ -142,10 +142,10 @@ def test_reloaded_tokenizer_gives_the_byte_tokenizer_ids(tmp_path):
 
 
 def test_cli_writes_model_and_task(tmp_path):
-    cmd = [sys.executable, str(REPO / "tools/make_tiny_model.py"), "--out", str(tmp_path / "m"), "--layers", "1",
+    cmd = [sys.executable, "-m", "tools.make_tiny_model", "--out", str(tmp_path / "m"), "--layers", "1",
            "--hidden", "32", "--heads", "2", "--kv-heads", "1", "--intermediate", "64", "--tie-word-embeddings",
            "--task-dir", str(tmp_path / "t"), "--n-sft", "20", "--n-train", "10", "--n-eval", "5"]
-    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+    subprocess.run(cmd, check=True, capture_output=True, timeout=120, cwd=REPO)
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())
     assert cfg["num_hidden_layers"] == 1 and cfg["tie_word_embeddings"] is True
     assert (tmp_path / "m" / "model.safetensors").exists()

@@ -62,8 +62,8 @@ def tiny_moe_dir(out: str | Path) -> Path:
     save_pretrained writes on global rank 0 only, and every rank needs its own copy)."""
     out = Path(out)
     if not (out / "config.json").exists():
-        subprocess.run([sys.executable, str(Path(__file__).resolve()), str(out)], check=True,
-                       capture_output=True, text=True)
+        subprocess.run([sys.executable, "-m", "tools.smoke.sglang_routing", str(out)], check=True,
+                       capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
     return out
 
 
