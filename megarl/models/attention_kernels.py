@@ -146,19 +146,27 @@ def _to_padded(x: torch.Tensor, g: PaddedGroup) -> torch.Tensor:
     return flat.view(g.size, g.longest, *x.shape[1:]).transpose(1, 2)
 
 
+def one_width(q, k, v):
+    """(q, k, v, d_v) with q, k, v zero-padded to one head width, which the fused kernels need:
+    values narrower than the queries (multi-latent attention: 192 / 128) get zero columns, which
+    only add zero output columns (cut back to d_v); wider values pad q and k instead, which adds 0
+    to every score (the kernels take the scale explicitly)."""
+    d, dv = q.shape[-1], v.shape[-1]
+    if dv < d:
+        v = F.pad(v, (0, d - dv))
+    elif dv > d:
+        q, k = F.pad(q, (0, dv - d)), F.pad(k, (0, dv - d))
+    return q, k, v, dv
+
+
 def sdpa_attention(q, k, v, scale: float, groups: list[PaddedGroup], inverse: torch.Tensor) -> torch.Tensor:
     """Causal attention of a packed row (CP = 1) as one `scaled_dot_product_attention` call per
     group of `padded_groups`. q [t, h, d], k [t, g, d], v [t, g, d_v]; returns [t, h, d_v].
 
-    Values of another width than the queries (multi-latent attention) are zero-padded to one width
-    as for `varlen_attention`: SDPA's fused kernels take one head width, and its fallback builds its
-    causal mask on the host."""
-    d, dv = q.shape[-1], v.shape[-1]
-    if dv != d:
-        if dv < d:
-            v = F.pad(v, (0, d - dv))
-        else:
-            q, k = F.pad(q, (0, dv - d)), F.pad(k, (0, dv - d))
+    Values of another width than the queries (multi-latent attention) go through `one_width`: SDPA's
+    fused kernels take one head width, and its math fallback builds its causal mask on the host."""
+    if q.shape[-1] != v.shape[-1]:
+        q, k, v, dv = one_width(q, k, v)
         return sdpa_attention(q, k, v, scale, groups, inverse)[..., :dv]
     h, g = q.shape[1], k.shape[1]
     if q.is_cuda and h != g:  # keep CUDA's fp32 (memory-efficient) kernel, which takes no GQA
@@ -277,19 +285,12 @@ def varlen_attention(q, k, v, scale: float, seg: VarlenSegments, fn=None) -> tor
     """Causal attention through torch's varlen kernel. q [t_q, h, d]; k [t, g, d], v [t, g, d_v],
     read through `seg.key_rows` when given (CP: the gathered keys in sequence order).
 
-    The kernel takes one head width: values narrower than the queries (multi-latent attention:
-    d = 192, d_v = 128) are zero-padded to d and the output cut back to d_v (the padded columns
-    of v only add zero columns to the output); wider values pad q and k with zeros instead, which
-    adds 0 to every score (the scale is passed explicitly)."""
+    The kernel takes one head width: other value widths go through `one_width`."""
     fn = fn or varlen_function()
     if seg.key_rows is not None:
         k, v = k[seg.key_rows], v[seg.key_rows]
-    d, dv = q.shape[-1], v.shape[-1]
-    if dv != d:
-        if dv < d:
-            v = F.pad(v, (0, d - dv))
-        else:
-            q, k = F.pad(q, (0, dv - d)), F.pad(k, (0, dv - d))
+    if q.shape[-1] != v.shape[-1]:
+        q, k, v, dv = one_width(q, k, v)
         return varlen_attention(q, k, v, scale, VarlenSegments(seg.cu_q, seg.cu_k, seg.cu_q_dev, seg.cu_k_dev,
                                                                seg.max_q, seg.max_k), fn)[..., :dv]
     kwargs, repeat = varlen_kwargs(inspect.signature(fn).parameters, q.shape[1], k.shape[1], scale, q.shape[-1])
