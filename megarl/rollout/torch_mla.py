@@ -142,23 +142,10 @@ class PartialRopeAttention(Attention):
         super().__init__(args)
         self.rotary_dim = variant.rotary_dim
 
-    def forward(self, x, cos, sin, k_cache, v_cache, start, mask):
-        a, rd = self.args, self.rotary_dim
-        bsz, t, _ = x.shape
-        q = self.q_proj(x).view(bsz, t, a.num_heads, a.head_dim)
-        k = self.k_proj(x).view(bsz, t, a.num_kv_heads, a.head_dim)
-        v = self.v_proj(x).view(bsz, t, a.num_kv_heads, a.head_dim)
-        if a.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q = torch.cat([_rope(q[..., :rd], cos, sin, False), q[..., rd:]], dim=-1)
-        k = torch.cat([_rope(k[..., :rd], cos, sin, False), k[..., rd:]], dim=-1)
-        k_cache[:, :, start:start + t] = k
-        v_cache[:, :, start:start + t] = v
-        out = F.scaled_dot_product_attention(
-            q, k_cache[:, :, :start + t], v_cache[:, :, :start + t], attn_mask=mask,
-            scale=a.head_dim ** -0.5, enable_gqa=a.num_heads != a.num_kv_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(bsz, t, a.num_heads * a.head_dim))
+    def rotate(self, q, k, cos, sin):
+        rd = self.rotary_dim
+        return (torch.cat([_rope(q[..., :rd], cos, sin, False), q[..., rd:]], dim=-1),
+                torch.cat([_rope(k[..., :rd], cos, sin, False), k[..., rd:]], dim=-1))
 
 
 class SigmoidRouter(nn.Module):

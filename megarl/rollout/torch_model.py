@@ -292,6 +292,10 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, args.rms_norm_eps)
             self.k_norm = RMSNorm(d, args.rms_norm_eps)
 
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """RoPE on queries and keys [b, heads, t, head_dim] (a subclass may rotate part of a head)."""
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, start: int, mask: torch.Tensor) -> torch.Tensor:
         a = self.args
@@ -302,8 +306,7 @@ class Attention(nn.Module):
         if a.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q, k = self.rotate(q, k, cos, sin)
         k_cache[:, :, start:start + t] = k
         v_cache[:, :, start:start + t] = v
         out = F.scaled_dot_product_attention(
