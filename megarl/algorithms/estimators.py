@@ -25,7 +25,9 @@ class AdvantageInputs:
     """Tensors an estimator may use. token_rewards, mask: [B, T]; values: [B, T] (critic, GAE family);
     group_index: [N = B] prompt uid (group estimators); truncated: [B] bool (EGAE);
     turn_starts: [B, T] bool (PAG turn-independent GAE); role_ids: [B, T] (PAG RoleAdvNorm);
-    baseline_scores: [B] per-sample baseline reward (ReMax: the greedy response's reward)."""
+    baseline_scores: [B] per-sample baseline reward (ReMax: the greedy response's reward);
+    lengths: [B] response tokens per sample (default mask.sum(-1); the trainer passes them when it
+    hands a critic-free estimator one token per sample, megarl.trainer.rl.compute_advantages)."""
 
     token_rewards: torch.Tensor
     mask: torch.Tensor
@@ -35,6 +37,11 @@ class AdvantageInputs:
     turn_starts: torch.Tensor | None = None
     role_ids: torch.Tensor | None = None
     baseline_scores: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None
+
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        return self.mask.sum(-1) if self.lengths is None else self.lengths
 
 
 @dataclass

@@ -359,9 +359,10 @@ def opo_advantages(scores: torch.Tensor, lengths: torch.Tensor, group_index) -> 
 
 @ADVANTAGES.register("opo")
 def opo_estimator(inputs: AdvantageInputs, params: AdvantageParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """OPO: `opo_advantages` on s_i with |o_i| = the row's masked tokens, broadcast to every masked token."""
+    """OPO: `opo_advantages` on s_i with |o_i| = the row's response tokens (`AdvantageInputs.response_lengths`),
+    broadcast to every masked token."""
     group_index = _need(inputs, "group_index", "opo")
-    adv = broadcast_to_tokens(opo_advantages(_scores(inputs), inputs.mask.sum(-1), group_index), inputs.mask)
+    adv = broadcast_to_tokens(opo_advantages(_scores(inputs), inputs.response_lengths, group_index), inputs.mask)
     return adv, adv
 
 

@@ -112,6 +112,7 @@ def model_paths(args) -> tuple[str, str | None]:
 def evaluate(cfg, args) -> int:
     import torch.distributed as dist
 
+    from megarl.parallel import exchange
     from megarl.parallel.distributed import destroy_distributed, init_distributed
     from megarl.rollout import SamplingParams
     from megarl.trainer import build
@@ -136,9 +137,12 @@ def evaluate(cfg, args) -> int:
         sampling = SamplingParams(n=s["n_samples"], temperature=s["temperature"], top_p=s["top_p"],
                                   max_new_tokens=s["max_new_tokens"],
                                   seed=cfg.trainer.seed if args.seed is None else args.seed)
-        trajs = worker.generate(ev.items, [list(it.prompt_ids) for it in ev.items], sampling)
+        metas = worker.generate(ev.items, [list(it.prompt_ids) for it in ev.items], sampling, routing=False)
+        mine = [m for m in metas if m.source == dist.get_rank()]
+        parts = exchange.gather_objects([worker.store.get(m.key) for m in mine])  # rank order = the metas' order
+        worker.store.drop(m.key for m in mine)
         if rank0:
-            rows = sample_rows(ev, trajs, tokenizer)
+            rows = sample_rows(ev, [t for p in parts for t in p], tokenizer)
             samples += rows
             summary[ev.name] = {**summarize([r.pop("_result") for r in rows]), "temperature": s["temperature"],
                                 "top_p": s["top_p"], "max_new_tokens": float(s["max_new_tokens"])}

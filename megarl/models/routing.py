@@ -15,6 +15,10 @@ pre-hook switches that router to REPLAY_BACKWARD there, which pops the indices s
 micro-batches in order (1F1B runs the backwards in forward order), so recompute replays the
 same experts.
 
+Columns: engines record every layer (dense ones included); the trainer receives only the MoE
+layers of its pipeline stage (megarl.trainer.rows), in uint8 where the experts fit
+(`routing_columns` maps either layout).
+
 Only the trained actor replays (and measures agreement): the reference model and the critic
 route natively.
 
@@ -53,15 +57,29 @@ def sequence_parallel_slice(n_tokens: int, config) -> slice:
     return slice(rank * per, (rank + 1) * per)
 
 
-def check_routing_shape(routed: torch.Tensor, config) -> None:
-    if routed.dim() != 3 or routed.shape[1] != config.num_layers or routed.shape[2] != config.moe_router_topk:
+def local_moe_layers(chunks) -> list[int]:
+    """Global 0-based indices of the MoE layers in these model chunks (this pipeline stage), sorted:
+    the columns of the routed experts the trainer receives (megarl.trainer.rows)."""
+    return sorted({idx for chunk in chunks for idx, _ in moe_routers(chunk)})
+
+
+def routing_columns(routed: torch.Tensor, config, moe_layers: list[int]) -> dict[int, int]:
+    """Global layer index -> column of `routed` ([tokens, columns, top_k]): the columns are either
+    every layer of the model (dense ones included, as engines record them) or this stage's MoE
+    layers `moe_layers` (what the trainer receives)."""
+    if routed.dim() != 3 or routed.shape[2] != config.moe_router_topk or \
+            routed.shape[1] not in (config.num_layers, len(moe_layers)):
         raise ValueError(f"routed_experts has shape {tuple(routed.shape)}; the model routes [tokens, "
-                         f"{config.num_layers} layers, top-{config.moe_router_topk}] (every layer, dense ones included)")
+                         f"{config.num_layers} layers or this stage's {len(moe_layers)} MoE layers, "
+                         f"top-{config.moe_router_topk}]")
+    if routed.shape[1] == len(moe_layers):
+        return {layer: col for col, layer in enumerate(moe_layers)}
+    return {layer: layer for layer in moe_layers}
 
 
-def set_replay(chunk, routed: torch.Tensor | None) -> None:
-    """REPLAY_FORWARD of `routed` ([tokens the routers of this chunk see, layers, top_k]) for this
-    chunk's routers; routed=None: native routing (no replay)."""
+def set_replay(chunk, routed: torch.Tensor | None, columns: dict[int, int] | None = None) -> None:
+    """REPLAY_FORWARD of `routed` ([tokens the routers of this chunk see, columns, top_k]; layer i
+    in column columns[i], default i) for this chunk's routers; routed=None: native routing."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     for idx, router in moe_routers(chunk):
@@ -71,7 +89,7 @@ def set_replay(chunk, routed: torch.Tensor | None) -> None:
         if routed is None:
             rr.clear_router_replay_action()
             continue
-        rr.set_target_indices(routed[:, idx].to(torch.long))
+        rr.set_target_indices(routed[:, idx if columns is None else columns[idx]].to(torch.long))
         rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
 
@@ -131,22 +149,27 @@ class RoutingObserver:
 
     def __init__(self, chunks):
         self.stats = torch.zeros(3, dtype=torch.float64)
-        self._target: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # chunk id -> (routed, valid)
+        self._target: dict[int, tuple] = {}  # chunk id -> (routed, valid, columns)
         self._handles = [router.register_forward_hook(self._hook(id(chunk), idx))
                          for chunk in chunks for idx, router in moe_routers(chunk)]
 
-    def expect(self, chunk, routed: torch.Tensor, valid: torch.Tensor) -> None:
-        self._target[id(chunk)] = (routed, valid)
+    def expect(self, chunk, routed: torch.Tensor, valid: torch.Tensor, columns: dict[int, int] | None = None) -> None:
+        """`columns`: global layer -> column of `routed` (`routing_columns`; default the layer index);
+        routed=None: nothing to compare in the next forward (a padding micro-batch)."""
+        if routed is None:
+            self._target.pop(id(chunk), None)
+        else:
+            self._target[id(chunk)] = (routed, valid, columns)
 
     def _hook(self, key: int, layer: int):
         def hook(router, args, output):
             if _in_backward() or key not in self._target:
                 return
-            routed, valid = self._target[key]
+            routed, valid, columns = self._target[key]
             used = output[1].view(-1, router.config.num_moe_experts)
             with torch.no_grad():
                 native = native_routing_map(router, args[0])
-            engine = expert_map(routed[:, layer], used.shape[1])
+            engine = expert_map(routed[:, layer if columns is None else columns[layer]], used.shape[1])
             v = valid.to(used.device)
             self.stats += torch.tensor([float((native & engine)[v].sum()), float((used & engine)[v].sum()),
                                         float(v.sum()) * router.topk], dtype=torch.float64)

@@ -131,8 +131,19 @@ def init_distributed(parallel=None, seed: int = 1234, timeout_s: float | None = 
         expert_tensor_parallel_size=sizes.etp,
         distributed_timeout_minutes=timeout_s / 60,
     )
+    global _HOST_GROUP
+    # rollout data moves over gloo, never through the GPU (megarl.parallel.exchange)
+    _HOST_GROUP = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if world > 1 else None
     seed_everything(seed)
     return sizes
+
+
+_HOST_GROUP = None
+
+
+def host_group():
+    """The gloo group of the whole world made by `init_distributed` (None: one process)."""
+    return _HOST_GROUP
 
 
 def destroy_distributed() -> None:
@@ -140,6 +151,8 @@ def destroy_distributed() -> None:
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    global _HOST_GROUP
+    _HOST_GROUP = None
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -12,7 +12,7 @@ Memory model (bytes per GPU; P_gpu = parameters held by the GPU's TP x PP shard,
 config: embedding and output layer counted on the first / last pipeline stage, vocab-parallel
 over TP; norms replicated; the largest stage is reported):
   weights    2 * P_gpu (bf16; 4 for fp32)                    actor, critic, reference (kl_coef > 0)
-  grads      2 * P_gpu (megatron DDP grad buffer in the param dtype)         actor, critic
+  grads      4 * P_gpu (megatron DDP's grad buffer, float32: grad_reduce_in_fp32) actor, critic
   optimizer  12 * P_gpu / (DP * CP) with the distributed optimizer (fp32 master + Adam m, v),
              12 * P_gpu without it                                           actor, critic
 Mixture of experts (qwen3_moe, qwen2_moe): P_gpu = P_dense + P_expert, where P_dense is the
@@ -48,12 +48,19 @@ Vision-language models (qwen2_5_vl, qwen3_vl, qwen3_vl_moe; the LM's fields from
              * head_dim * 2 bytes per token, / rollout_tp); colocated, the training state is offloaded during rollout
              when rollout.offload_train_state is true.
   reserve    --reserve-gib (CUDA contexts of trainer and engine, NCCL buffers, fragmentation).
-Phases: rollout = resident training state + engine share + reserve;
+Phases: sync = the actor's weights (with rollout.offload_train_state the gradients, optimizer
+        state and the other models leave the GPU before the engine's weights come back; else all
+        resident states) + the engine's weights + the stream's buffers (`memory.stream_transient_bytes`
+        of a rollout.weight_bucket_mb bucket, + one more bucket for SGLang's flattened copy) + reserve;
+        rollout = resident training state + engine share + reserve;
         train   = all resident model states + the larger of actor / critic activations + reserve
-        (with offload_optimizer a model's optimizer state comes back only for its own step, when no
-        activations are held).
+        (a model's optimizer step: its optimizer state on the GPU too, unless offload_optimizer keeps
+        it on the host, where megatron's HybridDeviceOptimizer steps).
 The GPU is --gpu (default h100; capacities as nvidia-smi reports them: GPUS). A phase over capacity
 is reported with its terms; the train phase names its largest term and the settings that shrink it.
+
+Rollout data per rank (megarl/planner/rollout_data.py): the payloads a rank receives (its DP
+  replica's rows), the metadata every rank gets, the host peak and the GPU bytes of one micro-batch.
 
 Time model (stated assumptions: --avg-prompt-len, --avg-response-len, --mfu, --decode-eff):
   training FLOPs = 6*N*T per epoch for actor and critic, 2*N*T per forward-only pass (old
@@ -75,7 +82,8 @@ from megarl.planner.activations import (
     train_overflow_message, vision_bytes_per_patch)
 from megarl.planner.arch import GIB, GPU, GPUS, MOE_IMBALANCE, Arch, ModelState, load_arch
 from megarl.planner.cli import format_plan, main
-from megarl.planner.memory import Plan, mean_lengths, model_states, plan, step_time
+from megarl.planner.memory import Plan, mean_lengths, model_states, plan, step_time, stream_transient_bytes
+from megarl.planner.rollout_data import rollout_data, row_bytes
 from megarl.planner.vision import (
     DEFAULT_IMAGE_PIXELS, VISION_DEFAULTS, Images, VisionTower, image_load, microbatch_patches, vision_problems)
 from megarl.config import ConfigError
@@ -84,6 +92,7 @@ __all__ = [
     "Arch", "ConfigError", "DEFAULT_IMAGE_PIXELS", "GIB", "GPU", "GPUS", "Images", "MOE_IMBALANCE", "ModelState",
     "Plan", "VISION_DEFAULTS", "VisionTower", "activation_bytes", "activation_bytes_per_token_layer",
     "attention_workspace_bytes", "cp_kv_exchange_bytes", "format_plan", "image_load", "load_arch", "logits_bytes",
-    "main", "mean_lengths", "microbatch_patches", "model_states", "plan", "step_time", "train_overflow_message",
+    "main", "mean_lengths", "microbatch_patches", "model_states", "plan", "rollout_data", "row_bytes", "step_time",
+    "stream_transient_bytes", "train_overflow_message",
     "vision_bytes_per_patch", "vision_problems",
 ]

@@ -283,5 +283,8 @@ class ModelState:
 
     @property
     def at_step(self) -> float:
-        return self.weights + self.grads + self.optimizer
+        """Bytes on the GPU during this model's optimizer step. With offload_optimizer the Adam state
+        and the fp32 master weights live on the host and the step runs there (megatron's
+        HybridDeviceOptimizer at offload fraction 1: the gradients go to pinned host buffers)."""
+        return self.weights + self.grads + (0.0 if self.offload_optimizer else self.optimizer)
 

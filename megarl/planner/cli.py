@@ -15,7 +15,7 @@ from megarl.planner.vision import DEFAULT_IMAGE_PIXELS, image_load
 def format_plan(cfg: MegaRLConfig, pl: Plan, arch_src: str) -> str:
     p = cfg.parallel
     g = lambda b: f"{b / GIB:7.1f} GiB"  # noqa: E731
-    v, im = pl.arch.vision, pl.images
+    v, im, rd = pl.arch.vision, pl.images, pl.rollout_data
     lines = [
         f"model {cfg.model.name or cfg.model.hf_path} ({pl.params_total / 1e9:.2f}B params"
         + (f": {pl.arch.lm_params() / 1e9:.2f}B LM + {v.total_params() / 1e9:.2f}B vision tower" if v else "")
@@ -53,7 +53,11 @@ def format_plan(cfg: MegaRLConfig, pl: Plan, arch_src: str) -> str:
         f"  engine    share {g(pl.engine_share)} (weights {g(pl.engine_weights)}, KV pool {g(max(pl.kv_pool, 0))} "
         f"= {pl.kv_tokens:,.0f} tokens)",
         f"  reserve   {g(pl.reserve)}",
-        f"  rollout phase peak {g(pl.rollout_peak)}   train phase peak {g(pl.train_peak)}   capacity {g(pl.gpu.mem_bytes)}",
+        f"  rollout phase peak {g(pl.rollout_peak)}   weight sync peak {g(pl.sync_peak)} (stream buffers "
+        f"{g(pl.sync_stream)})   train phase peak {g(pl.train_peak)}   capacity {g(pl.gpu.mem_bytes)}",
+        f"  rollout data per rank: receives {g(rd['received'])} of payloads ({rd['rows_per_rank']:,.0f} rows) + "
+        f"{g(rd['meta'])} of metadata; host peak {g(rd['host_peak'])} (own rows {g(rd['generated'])}); "
+        f"GPU {rd['gpu'] / 2**20:,.1f} MiB (one micro-batch)",
         "",
         f"step time (assumed mean prompt {pl.time['avg_prompt_len']}"
         + (f" incl. {im.sample_tokens} image tokens" if v and im else "")

@@ -9,7 +9,17 @@ from dataclasses import dataclass, field
 from megarl.config import ConfigError, MegaRLConfig, validate_model, validate_world
 from megarl.planner.activations import activation_bytes, train_overflow_message
 from megarl.planner.arch import GIB, GPU, MOE_IMBALANCE, Arch, ModelState, lm_config
+from megarl.planner.rollout_data import rollout_data
 from megarl.planner.vision import Images, image_load, microbatch_patches, vision_problems
+
+def stream_transient_bytes(bucket: float, tp: int, pp: int) -> float:
+    """What the weight stream allocates for one bucket of `bucket` bytes on its owning stage
+    (megarl.weights.stream.StreamStats.peak_bytes): with TP > 1 this rank's packed shards
+    (bucket / TP), the gathered shards (bucket) and the merged HF tensors (bucket); at TP = 1 the
+    merged copies only; with PP > 1 also the broadcast buffer (bucket). Routed experts travel in
+    buffers of at most a bucket too (megarl.weights.expert_delivery)."""
+    return bucket * ((2.0 + 1.0 / tp if tp > 1 else 1.0) + (1.0 if pp > 1 else 0.0))
+
 
 def model_states(arch: Arch, cfg: MegaRLConfig, world: int) -> list[ModelState]:
     p = cfg.parallel
@@ -30,7 +40,8 @@ def model_states(arch: Arch, cfg: MegaRLConfig, world: int) -> list[ModelState]:
             opt = 12.0 * (trained - experts) / dp_cp + 12.0 * experts / edp
         else:
             opt = 12.0 * trained
-        out.append(ModelState(role, n, wbytes * n, wbytes * trained, opt, o.offload_optimizer))
+        # gradients: DDP's buffer in float32 (megarl.trainer.train_model: grad_reduce_in_fp32)
+        out.append(ModelState(role, n, wbytes * n, 4.0 * trained, opt, o.offload_optimizer))
     if cfg.algorithm.kl_coef > 0 or cfg.algorithm.kl_in_reward:
         n = arch.stage_params(p.tp, p.pp, False, p.ep, etp)
         out.append(ModelState("reference", n, wbytes * n, 0.0, 0.0, False))
@@ -56,6 +67,9 @@ class Plan:
     images: Images | None = None
     problems: list[str] = field(default_factory=list)
     time: dict[str, float] = field(default_factory=dict)
+    rollout_data: dict[str, float] = field(default_factory=dict)  # per-rank bytes (megarl.planner.rollout_data)
+    sync_peak: float = 0.0  # the weight sync: training state kept + engine weights + stream buffers + reserve
+    sync_stream: float = 0.0
 
     @property
     def fits(self) -> bool:
@@ -109,6 +123,17 @@ def plan(cfg: MegaRLConfig, arch: Arch, hf: dict, gpu: GPU, reserve_gib: float =
                         f"(engine {engine_share / GIB:.1f} + resident training state {resident_rollout / GIB:.1f} "
                         f"+ reserve {reserve / GIB:.1f}); lower rollout.mem_fraction or offload the training state")
 
+    # sync phase: the actor's weights stream into the engine's weights (taken back before the stream)
+    sync_resident = states[0].weights if r.offload_train_state else sum(s.resident for s in states)
+    sync_stream = stream_transient_bytes(r.weight_bucket_mb * 2**20, p.tp, p.pp) + (
+        r.weight_bucket_mb * 2**20 if r.engine == "sglang" else 0.0)  # SGLang flattens each bucket once more
+    sync_peak = sync_resident + engine_weights + sync_stream + reserve
+    if sync_peak > cap:
+        problems.append(f"weight sync needs {sync_peak / GIB:.1f} GiB > {cap / GIB:.1f} GiB (training state kept "
+                        f"{sync_resident / GIB:.1f} + engine weights {engine_weights / GIB:.1f} + stream buffers "
+                        f"{sync_stream / GIB:.1f} + reserve {reserve / GIB:.1f}); lower rollout.weight_bucket_mb, "
+                        "set rollout.offload_train_state=true, or raise parallel.rollout_tp")
+
     # train phase: all model states resident, activations of the model being trained
     resident = sum(s.resident for s in states)
     fwd_bwd = resident + max((a["total"] for a in acts.values()), default=0.0)
@@ -118,9 +143,12 @@ def plan(cfg: MegaRLConfig, arch: Arch, hf: dict, gpu: GPU, reserve_gib: float =
         problems.append(train_overflow_message(cfg, states, acts, train_peak, step > fwd_bwd, cap, reserve))
 
     out = Plan(arch, gpu, world, dp, arch.total_params(), states, acts, engine_share, engine_weights, kv_pool,
-               kv_tokens, rollout_peak, train_peak, reserve, images, problems)
+               kv_tokens, rollout_peak, train_peak, reserve, images, problems, sync_peak=sync_peak,
+               sync_stream=sync_stream)
     out.time = step_time(cfg, arch, gpu, world, kv_tokens, avg_prompt_len, avg_response_len, mfu, decode_eff, gen_rounds,
                          images)
+    out.rollout_data = rollout_data(cfg, arch, world, *mean_lengths(cfg, avg_prompt_len, avg_response_len, images),
+                                    images, gen_rounds)
     return out
 
 

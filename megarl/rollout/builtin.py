@@ -418,7 +418,7 @@ class BuiltinEngine:
         cache = KVCache.allocate(self.args, len(contexts), prompt_len + max_steps, self.dtype, dev)
         # vision-language models: M-RoPE positions and image embeddings (the tower runs once per context)
         vision = self.model.prepare_contexts(contexts, images) if self.args.vision is not None else None
-        tape = RoutingTape(self.model) if self.record_routing else None
+        tape = RoutingTape(self.model) if self.record_routing and sampling.return_routing else None
         try:
             self._generate_rows(contexts, repeat, rows, sampling, first_sampler, sampler, generator, stop_ids, tail,
                                 lens, prompt_len, max_steps, key_valid, cache, tape, vision)

@@ -23,12 +23,34 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
+
 from megarl.rollout.types import SamplingParams
 
 VERDICT_CORRECT = "The answer is correct"
 VERDICT_WRONG = "The answer is wrong"
 VERDICT_MISSING = -1
 _SEED_STRIDE = 7919
+
+
+def stitch_routing(prev: torch.Tensor | None, new: torch.Tensor | None, total: int,
+                   first: bool) -> torch.Tensor | None:
+    """Routed experts [total, layers, k] of a multi-turn sequence after one more turn (routing replay).
+
+    `new` covers the turn's call: the context (prompt + everything so far + any appended tokens)
+    and the tokens it generated; `prev` the sequence the previous call ended with. A token keeps the
+    experts of the call that first forwarded it: every earlier token but the last from `prev`, the
+    rest (the previous turn's last token, forwarded first by this call's prefill, the appended
+    tokens, this turn's tokens) from `new`, cut to `total` tokens. None when a call recorded none.
+    """
+    if new is None or (prev is None and not first):
+        return None
+    if first:
+        return new[:total]
+    n = prev.shape[0]
+    if new.shape[0] < total:
+        raise ValueError(f"routed experts of a turn cover {new.shape[0]} tokens, the sequence has {total}")
+    return torch.cat([prev[: n - 1], new[n - 1: total]])
 
 
 def parse_verdict(text: str) -> int:
@@ -58,6 +80,7 @@ class MultiTurnSample:
     turn_texts: list[str] = field(default_factory=list)
     verdicts: list[int | None] = field(default_factory=list)
     finish_reason: str = "stop"  # of the last turn; "length" also when the context ran out
+    routed_experts: torch.Tensor | None = None  # MoE: [prompt + response, layers, k] (stitch_routing)
 
     @property
     def policy_turns(self) -> int:
@@ -68,9 +91,11 @@ class MultiTurnSample:
         return len(self.prompt_ids) + len(self.response_ids) + len(template)
 
     def add_turn(self, template: list[int], ids: list[int], logprobs: list[float], is_policy: bool,
-                 text: str, finish_reason: str) -> None:
+                 text: str, finish_reason: str, routed: torch.Tensor | None = None) -> None:
         if not ids:
             raise ValueError("multi-turn rollout: the engine returned an empty turn")
+        total = len(self.prompt_ids) + len(self.response_ids) + len(template) + len(ids)
+        self.routed_experts = stitch_routing(self.routed_experts, routed, total, first=not self.turn_ends)
         self.response_ids += list(template) + list(ids)
         self.logprobs += [0.0] * len(template) + [float(x) for x in logprobs]
         self.template_mask += [1] * len(template) + [0] * len(ids)
@@ -98,7 +123,8 @@ def pag_rollout(engine, prompts: list[list[int]], sampling: SamplingParams, veri
     trajs = []
     for s in run(prompts, sampling):
         t = MultiTurnSample(prompt_ids=list(s.prompt_ids), index=s.index)
-        t.add_turn([], s.response_ids, s.logprobs, True, s.text or decode(s.response_ids), s.finish_reason)
+        t.add_turn([], s.response_ids, s.logprobs, True, s.text or decode(s.response_ids), s.finish_reason,
+                   s.routed_experts)
         trajs.append(t)
     one = SamplingParams(**{**sampling.__dict__, "n": 1})
     limit = getattr(engine, "max_context", None)
@@ -116,7 +142,7 @@ def pag_rollout(engine, prompts: list[list[int]], sampling: SamplingParams, veri
             out = run([trajs[i].prompt_ids + trajs[i].response_ids + list(template) for i in fits], one)
             for i, s in zip(fits, out):
                 trajs[i].add_turn(template, s.response_ids, s.logprobs, is_policy, s.text or decode(s.response_ids),
-                                  s.finish_reason)
+                                  s.finish_reason, s.routed_experts)
         return fits
 
     active = [i for i, t in enumerate(trajs) if t.policy_turns < max_policy_turns]

@@ -30,6 +30,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
+
+from megarl.rollout.multi_turn import stitch_routing
 from megarl.rollout.tool_calls import ToolCall, ToolResult
 from megarl.rollout.types import SamplingParams
 
@@ -67,6 +70,7 @@ class ToolTrajectory:
     finish_reason: str = "stop"
     end: str = "answer"
     pending: list[ToolCall] = field(default_factory=list)  # the last turn's calls, not yet run
+    routed_experts: torch.Tensor | None = None  # MoE: [prompt + response, layers, k] (stitch_routing)
 
     @property
     def turns(self) -> int:
@@ -81,9 +85,13 @@ class ToolTrajectory:
         """What the policy wrote, every turn, without the observations (the verifier reads it)."""
         return "".join(self.turn_texts)
 
-    def add_turn(self, ids: list[int], logprobs: list[float], text: str, finish_reason: str) -> None:
+    def add_turn(self, ids: list[int], logprobs: list[float], text: str, finish_reason: str,
+                 routed: torch.Tensor | None = None) -> None:
+        """`routed`: the call's experts (context + generated tokens; those past `ids` are cut)."""
         if not ids:
             raise ValueError("tool rollout: the engine returned an empty turn")
+        total = len(self.prompt_ids) + len(self.response_ids) + len(ids)
+        self.routed_experts = stitch_routing(self.routed_experts, routed, total, first=not self.turns)
         self.response_ids += list(ids)
         self.logprobs += [float(x) for x in logprobs]
         self.obs_mask += [0] * len(ids)
@@ -132,7 +140,7 @@ def tool_rollout(engine, prompts: list[list[int]], sampling: SamplingParams, fmt
         if len(ids) > left:
             ids, lps, reason = ids[:left], lps[:left], "length"
         text = s.text if (s.text and len(ids) == len(s.response_ids)) else decode(ids)
-        t.add_turn(ids, lps, text, reason)
+        t.add_turn(ids, lps, text, reason, s.routed_experts)
         if reason != "stop":
             t.end = "length"
             return False

@@ -21,7 +21,8 @@ class SamplingParams:
     FIRE (docs/algorithms.md §9): the first response token is sampled at `fire_temperature` with
     top-k `fire_top_k` (or the regular top_k if that is > 0); the rest at the regular settings.
     `window` (T-PPO): stop after this many new tokens with finish_reason "truncated"; the
-    sample can be continued later with `continue_samples`.
+    sample can be continued later with `continue_samples`. `return_routing`: MoE engines record
+    the experts of every token (routing replay) only when true (evaluation turns it off).
     """
 
     n: int = 1
@@ -36,6 +37,7 @@ class SamplingParams:
     fire_temperature: float = 30.0
     fire_top_k: int = 16
     window: int | None = None
+    return_routing: bool = True
 
     def validate(self) -> None:
         checks = [

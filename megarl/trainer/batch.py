@@ -46,7 +46,8 @@ class Trajectory:
     window_start: int = 0  # T-PPO: response index of the first token of the latest window
     start_version: int | None = None  # T-PPO: policy version of the first window (None: policy_version)
     # MoE routing replay: experts the engine's routers selected, [prompt + response tokens, layers,
-    # top_k] int16 (megarl.rollout.torch_moe.sample_routing); None when not recorded
+    # top_k] (megarl.rollout.torch_moe.sample_routing; the trainer's copy holds only its pipeline
+    # stage's MoE layers, uint8 where the experts fit: megarl.trainer.rows); None when not recorded
     routed_experts: torch.Tensor | None = None
     # PAG multi-turn trajectory (megarl/rollout/multi_turn.py); None for single-turn samples.
     # template_mask: per response token 1 = appended instruction (no loss, no value), 0 = generated;
@@ -67,6 +68,10 @@ class Trajectory:
     @property
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
+
+    @property
+    def response_len(self) -> int:
+        return len(self.response_ids)
 
     @property
     def first_version(self) -> int:
@@ -150,6 +155,11 @@ class StepBatch:
         return int(self.response_mask.shape[1])
 
     @property
+    def response_lengths(self) -> torch.Tensor:
+        """[B] response tokens per sample."""
+        return self.response_mask.sum(-1)
+
+    @property
     def lengths(self) -> list[int]:
         """Prompt + response tokens per sample."""
         return [len(p) + len(r) for p, r in zip(self.prompt_ids, self.response_ids)]
@@ -231,6 +241,7 @@ class MicroBatch:
     # resp_index[owner >= 0] (its position in the full row)
     held_index: torch.Tensor | None = None
     held_pos: torch.Tensor | None = None
+    padding: bool = False  # TrainModel.padding_microbatch: runs forward and backward, trains nothing
 
     @property
     def vision_inputs(self) -> dict[str, torch.Tensor]:
@@ -422,7 +433,7 @@ def packed_routing(batch: StepBatch, rows: list[int], padded: list[int]) -> dict
     nothing reads); valid = the tokens the engine forwarded (every token but a sequence's last)."""
     first = batch.routed_experts[rows[0]]
     layers, k = first.shape[1], first.shape[2]
-    routed = torch.arange(k, dtype=torch.int16).expand(sum(padded), layers, k).clone()
+    routed = torch.arange(k, dtype=first.dtype).expand(sum(padded), layers, k).clone()
     valid = torch.zeros(sum(padded), dtype=torch.bool)
     off = 0
     for i, width in zip(rows, padded):
@@ -430,7 +441,7 @@ def packed_routing(batch: StepBatch, rows: list[int], padded: list[int]) -> dict
         r = batch.routed_experts[i]
         if r.shape[0] != n:
             raise ValueError(f"sample {i}: routed_experts covers {r.shape[0]} tokens, the sequence has {n}")
-        routed[off : off + n] = r.to(torch.int16)
+        routed[off : off + n] = r.to(first.dtype)
         valid[off : off + n - 1] = True
         off += width
     return {"routed_experts": routed, "routing_valid": valid}

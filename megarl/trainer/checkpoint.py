@@ -1,5 +1,7 @@
-"""Run checkpoints: step_N/{actor,critic}/ (torch_dist model + optimizer), trainer_state.pt, and
-an atomically replaced `latest` file that marks the newest COMPLETE checkpoint.
+"""Run checkpoints: step_N/{actor,critic}/ (torch_dist model + optimizer), trainer_state.pt,
+rows/rank<R>.pt (the payloads of the rows each rank carries into the next step,
+megarl.trainer.rows), and an atomically replaced `latest` file that marks the newest COMPLETE
+checkpoint.
 
 A checkpoint directory without the `latest` mark (e.g. killed mid-write) is never loaded: only
 the step named in `latest` is, and `latest` is replaced (os.replace of an fsynced temporary
@@ -56,9 +58,10 @@ def read_latest(run_dir: str | Path) -> Path | None:
 
 
 def save_checkpoint(run_dir: str | Path, step: int, models: dict, trainer_state: dict, keep_last: int | None,
-                    async_save: bool = False) -> Path:
-    """Collective: every rank writes its shards; rank 0 writes the state and then the mark (with
-    `async_save`, the mark once `finalize_async_saves` has finalised every rank's writes)."""
+                    async_save: bool = False, rank_rows: dict | None = None) -> Path:
+    """Collective: every rank writes its shards (and `rank_rows`, its carried row payloads, to
+    rows/rank<R>.pt); rank 0 writes the state and then the mark (with `async_save`, the mark once
+    `finalize_async_saves` has finalised every rank's writes)."""
     path = step_dir(run_dir, step)
     if async_save:
         finalize_async_saves(blocking=True)  # the previous checkpoint first (see the module doc)
@@ -76,8 +79,12 @@ def save_checkpoint(run_dir: str | Path, step: int, models: dict, trainer_state:
             else:
                 model.save(str(path / name))
             fault_point("checkpoint_write")
+        if rank_rows is not None:
+            (path / "rows").mkdir(parents=True, exist_ok=True)
+            torch.save(rank_rows, path / "rows" / f"rank{dist.get_rank()}.pt")
         if dist.get_rank() == 0:
             torch.save(trainer_state, path / "trainer_state.pt")
+        dist.barrier()
         if not async_save:
             _mark_latest(path, keep_last)
             return path
@@ -178,7 +185,7 @@ def load_trainer_state(path: Path) -> dict:
 
 def checkpoint_problems(path: Path) -> list[str]:
     """What makes the step directory `path` unloadable (empty when it is complete): a missing or
-    unreadable trainer_state.pt, and per model directory a missing megarl_model.json or torch_dist
+    unreadable trainer_state.pt or rows/rank<R>.pt, and per model directory a missing megarl_model.json or torch_dist
     file, foreign pickles, or a shard file shorter than its metadata says."""
     from megarl.weights.dist_ckpt import META_NAME, torch_dist_problems
 
@@ -187,7 +194,12 @@ def checkpoint_problems(path: Path) -> list[str]:
         load_trainer_state(path)
     except Exception as e:  # noqa: BLE001 - any failure makes the checkpoint unloadable
         problems.append(f"{path / 'trainer_state.pt'}: {e}")
-    models = [p for p in sorted(path.iterdir()) if p.is_dir()] if path.is_dir() else []
+    for rows in sorted(path.glob("rows/rank*.pt")):
+        try:
+            torch.load(rows, weights_only=True)
+        except Exception as e:  # noqa: BLE001
+            problems.append(f"{rows}: {e}")
+    models = [p for p in sorted(path.iterdir()) if p.is_dir() and p.name != "rows"] if path.is_dir() else []
     if not models:
         problems.append(f"{path}: no model directory")
     for model in models:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
@@ -14,6 +14,9 @@ from megarl.config import MegaRLConfig
 from megarl.parallel.distributed import phase
 from megarl.rollout import SamplingParams
 from megarl.trainer import build, checkpoint, pag, tools
+from megarl.parallel import exchange
+from megarl.trainer import rl, rows as row_flow
+from megarl.trainer.batch import StepBatch
 from megarl.trainer.metrics import MetricsLogger, PhaseTimer
 from megarl.trainer.generation import RolloutWorker
 from megarl.trainer.state import TrainerState
@@ -38,6 +41,13 @@ class RunComponents:
     dp_rank: int
     dp_size: int
     prm: object | None = None  # megarl.trainer.prm.PrmScorer with prm.dense_reward
+    topology: row_flow.RowTopology | None = None  # who trains which rows (megarl.trainer.rows)
+    # this rank's rollout data over the run (`train` returns it; tools/bench/scale.py reads it): the
+    # most payload bytes it held at once (its generated rows + the rows delivered to it), the rows
+    # it trained (own_rows of them generated here), their tokens and image bytes
+    row_stats: dict = field(default_factory=lambda: dict.fromkeys(
+        ("held_peak_bytes", "trained_rows", "own_rows", "trained_prompt_tokens", "trained_response_tokens",
+         "image_bytes", "moe_layers"), 0))
 
     @property
     def train_models(self) -> list[TrainModel]:
@@ -96,7 +106,8 @@ class RunComponents:
         self.worker.policy_version = version
 
     def evaluate(self, step: int) -> dict[str, float]:
-        """avg@k accuracy (pass@1 averaged over k samples) per eval set and over all sets."""
+        """avg@k accuracy (pass@1 averaged over k samples) per eval set and over all sets, from the
+        rows' scalars (no routed experts are recorded; the payloads are freed at once)."""
         cfg, out = self.cfg, {}
         with phase("eval"), self.generation(release=False):  # one offload for all eval sets; the weights stay
             for ev in self.data.evals:
@@ -104,16 +115,45 @@ class RunComponents:
                      "top_p": cfg.eval.top_p, "max_new_tokens": cfg.eval.max_new_tokens, **ev.sampling}
                 sampling = SamplingParams(n=s["n_samples"], temperature=s["temperature"], top_p=s["top_p"],
                                           max_new_tokens=s["max_new_tokens"], seed=cfg.trainer.seed + step)
-                trajs = self.worker.generate(ev.items, self.data.encode(ev.items), sampling)
-                out[f"eval/{ev.name}/accuracy"] = sum(t.acc for t in trajs) / max(len(trajs), 1)
-                out[f"eval/{ev.name}/score"] = sum(t.score for t in trajs) / max(len(trajs), 1)  # mean reward
-                out[f"eval/{ev.name}/response_length"] = sum(len(t.response_ids) for t in trajs) / max(len(trajs), 1)
-                out.update(pag.eval_metrics(trajs, f"eval/{ev.name}"))  # PAG: first / verify / final accuracy
-                out.update(tools.eval_metrics(trajs, f"eval/{ev.name}"))  # tool calls: call rate, turns, errors
+                rows = self.worker.generate(ev.items, self.data.encode(ev.items), sampling, routing=False)
+                self.worker.store.drop(m.key for m in rows if m.source == self.rank)
+                n = max(len(rows), 1)
+                out[f"eval/{ev.name}/accuracy"] = sum(m.acc for m in rows) / n
+                out[f"eval/{ev.name}/score"] = sum(m.score for m in rows) / n  # mean reward
+                out[f"eval/{ev.name}/response_length"] = sum(m.response_len for m in rows) / n
+                out.update(pag.eval_metrics(rows, f"eval/{ev.name}"))  # PAG: first / verify / final accuracy
+                out.update(tools.eval_metrics(rows, f"eval/{ev.name}"))  # tool calls: call rate, turns, errors
         if out:
             out["eval/accuracy"] = sum(v for k, v in out.items() if k.endswith("/accuracy")) / len(self.data.evals)
             self.logger.log(step, out)
         return out
+
+    # ---- the step's rows (megarl/trainer/rows.py) ------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return exchange.world()[0]
+
+    def take_rows(self, rows: list, step: int, state: TrainerState) -> tuple[StepBatch, list[int], list[list[int]]]:
+        """The rows this DP rank trains, delivered from wherever they were generated, as a StepBatch
+        (in mini-batch order), their indices into `rows`, and the mini-batches as local row indices.
+        Every other payload is freed but those `state` carries into the next step."""
+        al, tr = self.cfg.algorithm, self.cfg.trainer
+        home = [self.topology.dp_of[m.source] for m in rows]  # a row is trained where it was generated if it can be
+        plan = rl.plan_minibatches([m.length for m in rows], al.mini_batch_size, tr.seed + step, self.dp_size, home)
+        here, minibatches = rl.local_minibatches([mb[self.dp_rank] for mb in plan])
+        with phase("deliver"):
+            got = row_flow.deliver(self.worker.store, rows, rl.dp_of_rows(plan, len(rows)), self.topology, self.rank)
+        st = self.row_stats
+        st["held_peak_bytes"] = max(st["held_peak_bytes"], self.worker.store.nbytes
+                                    + sum(row_flow.payload_bytes(t) for t in got.values()))
+        st["trained_rows"] += len(got)
+        st["own_rows"] += sum(rows[i].source == self.rank for i in got)
+        st["trained_prompt_tokens"] += sum(len(t.prompt_ids) for t in got.values())
+        st["trained_response_tokens"] += sum(len(t.response_ids) for t in got.values())
+        st["image_bytes"] += sum(row_flow.image_bytes(t) for t in got.values())
+        st["moe_layers"] = len(self.topology.layers_of[self.rank] or ())
+        self.worker.store.retain(m.key for m in state.carried_rows if m.source == self.rank)
+        return StepBatch.from_trajectories([got[i] for i in here]), here, minibatches
 
     def next_items(self, n: int):
         self.data.train.batch_prompts = n
@@ -123,7 +163,8 @@ class RunComponents:
         state.data = self.data.train.state_dict()
         models = {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
         checkpoint.save_checkpoint(self.cfg.trainer.run_dir, state.step, models, state.state_dict(),
-                                   self.cfg.trainer.keep_last, self.cfg.trainer.async_save)
+                                   self.cfg.trainer.keep_last, self.cfg.trainer.async_save,
+                                   rank_rows=row_flow.rank_rows(self.worker.store, state.carried_rows, self.rank))
 
     def resume(self, state: TrainerState) -> None:
         """Loads the newest complete checkpoint of the run dir into the models and `state`."""
@@ -134,6 +175,8 @@ class RunComponents:
         if self.critic is not None:
             self.critic.load(str(latest / "critic"))
         state.load_state_dict(checkpoint.load_trainer_state(latest))
+        self.worker.store.retain(())
+        state.remap(row_flow.restore_rows(latest, self.worker.store, *exchange.world()))
         self.data.train.load_state_dict(state.data)
         if dist.get_rank() == 0:
             log.info("resumed from %s at step %d", latest, state.step)
@@ -150,14 +193,17 @@ def build_components(cfg: MegaRLConfig) -> RunComponents:
     engine = build.build_engine(cfg, hf_config, tokenizer)
     rewards = build.build_rewards(cfg)
     images = build.image_inputs(cfg, hf_config, tokenizer)
+    num_experts = int(getattr(actor.config, "num_moe_experts", None) or 0)
     worker = RolloutWorker(engine, tokenizer, rewards, cfg,
                            ranks_per_engine=cfg.parallel.rollout_tp if cfg.rollout.engine == "sglang" else 1,
-                           images=images)
+                           images=images, routing_dtype=row_flow.routing_dtype(num_experts) if num_experts else None)
+    topology = row_flow.RowTopology.gather(ps.get_data_parallel_rank(),
+                                           actor.moe_layers if actor.uses_routed_experts else None, num_experts)
     return RunComponents(
         cfg=cfg, hf_config=hf_config, actor=actor, critic=critic, ref=ref, engine=engine, worker=worker,
         data=build.build_data(cfg, tokenizer, images), logger=logger,
         timer=PhaseTimer(), dp_group=ps.get_data_parallel_group(), dp_rank=ps.get_data_parallel_rank(),
-        dp_size=ps.get_data_parallel_world_size(), prm=_prm_scorer(cfg, hf_config, tokenizer),
+        dp_size=ps.get_data_parallel_world_size(), prm=_prm_scorer(cfg, hf_config, tokenizer), topology=topology,
     )
 
 

@@ -1,7 +1,7 @@
 """The RL loop, top to bottom. Colocated SPMD: every rank runs this file under torchrun.
 
-step:  rollout (generate, reward, shape, filter; T-PPO: one window of every active sample) ->
-       prepare (old log-probs, ref log-probs, values, off-policy correction) -> advantages ->
+step:  rollout (generate, reward, shape, filter; T-PPO: one window of every active sample; then each
+       row's payload moves once, to the DP replica that trains it: megarl/trainer/rows.py) -> prepare (old log-probs, ref log-probs, values, off-policy correction) -> advantages ->
        critic update -> actor update -> weight sync -> log/eval/save
 """
 
@@ -13,10 +13,10 @@ import time
 from megarl.config import MegaRLConfig
 from megarl.parallel.distributed import init_distributed
 from megarl.trainer import rl
-from megarl.trainer.batch import StepBatch
 from megarl.trainer.checkpoint import finalize_async_saves
 from megarl.trainer.components import build_components
 from megarl.trainer.progress import Progress
+from megarl.trainer.rows import RowTable
 from megarl.trainer.step_collector import step_collector
 from megarl.trainer.state import TrainerState
 
@@ -39,14 +39,12 @@ def train(cfg: MegaRLConfig) -> dict:
     progress = Progress("RL", total=tr.total_steps, start=state.step, enabled=run.logger.enabled)
     for step in range(state.step, tr.total_steps):
         t_step = time.perf_counter()
-        # ---- rollout -----------------------------------------------------------------------------
-        with timer("rollout"), run.generation(release=True):
-            trajs, metrics = collect(step, state)
-        batch = StepBatch.from_trajectories(trajs)
-        rl.set_masks(batch, cfg)
-        rows, minibatches = rl.local_minibatches(
-            rl.split_minibatches(batch, al.mini_batch_size, tr.seed + step, run.dp_rank, run.dp_size))
-        local = batch.select(rows)
+        # ---- rollout: every rank's rows as RowMetas; each payload then moves once, to its trainers ----
+        with timer("rollout"):
+            with run.generation(release=True):
+                rows, metrics = collect(step, state)
+            local, here, minibatches = run.take_rows(rows, step, state)  # megarl/trainer/rows.py
+        rl.set_masks(local, cfg)
 
         # ---- prepare -----------------------------------------------------------------------------
         pretraining_critic = rl.value_pretraining(cfg, step, state.value_pretrain_end)
@@ -60,7 +58,8 @@ def train(cfg: MegaRLConfig) -> dict:
             if run.critic is not None:
                 local.values = rl.compute_values(run.critic, local)
             metrics.update(rl.rollout_correction(local, cfg, run.dp_group))
-            metrics.update(rl.compute_advantages(batch, local, rows, cfg, run.dp_group, kl.value, pretraining_critic))
+            metrics.update(rl.compute_advantages(RowTable.of(rows), local, here, cfg, run.dp_group, kl.value,
+                                                 pretraining_critic))
 
         # ---- train -------------------------------------------------------------------------------
         for _ in range(al.ppo_epochs):
@@ -83,14 +82,15 @@ def train(cfg: MegaRLConfig) -> dict:
         _check_finite(metrics, step)
         metrics.update(rl.logprob_mismatch(local, run.dp_group))
         if "actor/reward_kl" in metrics:
-            kl.update(metrics["actor/reward_kl"], len(batch))
+            kl.update(metrics["actor/reward_kl"], len(rows))
         state.step, state.kl_coef = step + 1, kl.value
         run.sync_weights(state.step)  # also after critic-only steps: the released engine lost its weights
 
         # ---- log / eval / checkpoint ----------------------------------------------------------------
         metrics.update(timer.pop())
         metrics["time/step"] = time.perf_counter() - t_step
-        metrics["perf/tokens_per_s"] = sum(batch.lengths) / metrics["time/step"]
+        metrics["perf/tokens_per_s"] = sum(m.length for m in rows) / metrics["time/step"]
+        del local, rows  # this step's batch is gone before the next rollout
         last = state.step == tr.total_steps
         if state.step % tr.log_interval == 0 or last:
             run.logger.log(state.step, metrics)
@@ -102,7 +102,7 @@ def train(cfg: MegaRLConfig) -> dict:
         progress.update(state.step, reward=metrics.get("reward/accuracy", 0.0), eval=last_eval.get("eval/accuracy"))
     progress.close()
     run.logger.close()
-    return {"first_eval": first_eval, "last_eval": last_eval}
+    return {"first_eval": first_eval, "last_eval": last_eval, "rows": dict(run.row_stats)}
 
 
 def policy_start(al, state: TrainerState) -> int:

@@ -71,7 +71,7 @@ def score(worker, items, samples: list[MultiTurnSample]) -> tuple[list[Trajector
             rollout_logprobs=list(s.logprobs), finish_reason=s.finish_reason, score=float(rewards.sum()),
             acc=bool(outcome[_last_policy(s.turn_is_policy)]), data_source=item.data_source,
             policy_version=worker.policy_version, template_mask=list(s.template_mask), turn_ends=list(s.turn_ends),
-            turn_is_policy=list(s.turn_is_policy), turn_outcome=outcome))
+            turn_is_policy=list(s.turn_is_policy), turn_outcome=outcome, routed_experts=s.routed_experts))
     return trajs, {k: float(v) for k, v in metrics.items()}
 
 

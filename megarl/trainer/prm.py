@@ -44,7 +44,7 @@ from megarl.data.sampler import shard_for_rank
 from megarl.rollout import SamplingParams
 from megarl.trainer import build, rl
 from megarl.trainer.batch import MicroBatch, StepBatch, Trajectory
-from megarl.trainer.generation import all_gather_list
+from megarl.parallel import exchange
 
 log = logging.getLogger(__name__)
 
@@ -153,9 +153,9 @@ def label_with_policy(cfg: MegaRLConfig, actor, hf_config, tokenizer) -> tuple[l
                               seed=cfg.trainer.seed * 1009 + rank)
     rewards.close()
     del engine
-    all_rows = all_gather_list(rows)
+    all_rows = [r for part in exchange.all_gather_objects(rows, "prm_labels") for r in part]
     totals: dict = {}
-    for s in all_gather_list([stats]):
+    for s in exchange.all_gather_objects(stats, "prm_labels"):
         for key, v in s.items():
             totals[key] = totals.get(key, 0) + v
     return all_rows, totals
@@ -222,7 +222,7 @@ def train_prm(cfg: MegaRLConfig, hf_config, actor, rows: list[dict], save_to: Pa
             queue += fresh
         batch = rows_batch([train[i] for i in queue[: p.batch_size]])
         del queue[: p.batch_size]
-        local = rl.split_minibatches(batch, len(batch), step, dp_rank, dp_size)[0]
+        local = rl.split_minibatches(batch.lengths, len(batch), step, dp_rank, dp_size)[0]
         counts = rl.global_counts(batch, local, dp_group, batch.value_mask)
         model.set_lr(step)
         mse.append(model.train_step(batch, mse_loss_fn(counts), local)["prm/mse"])

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from megarl.config import MegaRLConfig
 from megarl import algorithms as A
 from megarl.data.packing import balance_across_dp
+from megarl.parallel import exchange
 from megarl.parallel.distributed import device
 from megarl.registry import is_dotted_path
 from megarl.trainer import pag
@@ -31,24 +32,49 @@ def uses_critic_advantage(cfg: MegaRLConfig) -> bool:
     return name in CRITIC_ADVANTAGES or (is_dotted_path(name) and cfg.critic.enable)
 
 
-def split_minibatches(batch: StepBatch, mini_batch_size: int, seed: int, dp_rank: int,
-                      dp_size: int) -> list[list[int]]:
-    """Shuffles the step's rows (seeded, same on all ranks), cuts them into mini-batches of
-    `mini_batch_size` samples, and returns this DP rank's token-balanced share of each (rows of
-    `batch`). A last mini-batch with fewer samples than DP ranks (T-PPO batches vary in size)
-    joins the one before it."""
-    order = list(range(len(batch)))
+def plan_minibatches(lengths: list[int], mini_batch_size: int, seed: int, dp_size: int,
+                     home: list[int] | None = None) -> list[list[list[int]]]:
+    """[mini-batch][DP rank] -> rows (indices into `lengths`, the step's rows in global order):
+    the rows shuffled (seeded, same on all ranks), cut into mini-batches of `mini_batch_size`
+    samples, each split over the DP ranks with balanced token totals. `home`: the DP rank where
+    each row already is; the shuffled rows of each home are then dealt in turn, so every
+    mini-batch is a random draw stratified over the homes (which hold random shares of the
+    step's prompts), and rows stay home where the balance allows (`balance_across_dp`). A last
+    mini-batch with fewer samples than DP ranks (T-PPO batches vary in size) joins the one before
+    it. Every rank computes the same plan from the rows' lengths alone (megarl.trainer.rows)."""
+    order = list(range(len(lengths)))
     random.Random(seed).shuffle(order)
-    lengths = batch.lengths
+    if home is not None:  # deal the shuffled rows from each DP rank in turn: every mini-batch draws evenly from all
+        queues: dict[int, list[int]] = {}
+        for i in order:
+            queues.setdefault(home[i], []).append(i)
+        order = [q[k] for k in range(max(map(len, queues.values()), default=0)) for _, q in sorted(queues.items())
+                 if k < len(q)]
     chunks = [order[s : s + mini_batch_size] for s in range(0, len(order), mini_batch_size)]
     if len(chunks) > 1 and len(chunks[-1]) < dp_size:
         tail = chunks.pop()
         chunks[-1] += tail
     out = []
     for mb in chunks:
-        shares = balance_across_dp([lengths[i] for i in mb], dp_size)
-        out.append([mb[i] for i in shares[dp_rank]])
+        shares = balance_across_dp([lengths[i] for i in mb], dp_size, None if home is None else [home[i] for i in mb])
+        out.append([[mb[i] for i in share] for share in shares])
     return out
+
+
+def split_minibatches(lengths: list[int], mini_batch_size: int, seed: int, dp_rank: int,
+                      dp_size: int) -> list[list[int]]:
+    """This DP rank's share of each mini-batch of `plan_minibatches`."""
+    return [mb[dp_rank] for mb in plan_minibatches(lengths, mini_batch_size, seed, dp_size)]
+
+
+def dp_of_rows(plan: list[list[list[int]]], n: int) -> list[int]:
+    """The DP rank that trains each of the n rows of a `plan_minibatches` plan."""
+    owner = [-1] * n
+    for mb in plan:
+        for dp, rows in enumerate(mb):
+            for i in rows:
+                owner[i] = dp
+    return owner
 
 
 def value_pretraining(cfg: MegaRLConfig, step: int, pretrain_end: int | None = None) -> bool:
@@ -134,14 +160,15 @@ def _dp_all_reduce(t: torch.Tensor, dp_group, op=dist.ReduceOp.SUM) -> torch.Ten
         return t
     t = t.to(device())
     dist.all_reduce(t, op=op, group=dp_group)
+    exchange.count("scalars", t.numel() * t.element_size())
     return t.cpu()
 
 
-def gather_rows(local: torch.Tensor, rows: list[int], n: int, dp_group) -> torch.Tensor:
-    """[len(rows), T] rows held by this DP rank -> [n, T] with every rank's rows (each row is owned
-    by exactly one DP rank, so a sum over DP assembles the whole batch)."""
-    full = torch.zeros(n, local.shape[1], dtype=torch.float32)
-    full[torch.tensor(rows, dtype=torch.long)] = local.float()
+def per_sample(local: torch.Tensor, rows: list[int], n: int, dp_group) -> torch.Tensor:
+    """[len(rows)] values of the rows this DP rank holds -> [n] values of every row of the step
+    (each row is held by exactly one DP rank, so a sum over DP assembles the vector)."""
+    full = torch.zeros(n, dtype=local.dtype)
+    full[torch.tensor(rows, dtype=torch.long)] = local
     return _dp_all_reduce(full, dp_group)
 
 
@@ -171,26 +198,38 @@ def token_rewards(batch: StepBatch, cfg: MegaRLConfig, kl_coef: float, dp_group)
     return rewards, {"actor/reward_kl": float(s[0] / s[1].clamp(min=1.0)), "actor/kl_coef": kl_coef, **prm_metrics}
 
 
-def compute_advantages(batch: StepBatch, local: StepBatch, local_rows: list[int], cfg: MegaRLConfig, dp_group,
+# critic-free estimators computed per token on the local rows (whitened with DP-reduced moments);
+# every other critic-free one is a function of per-sample scores (`compute_advantages`)
+TOKEN_LEVEL = ("reinforce_pp", "reinforce_pp_baseline")
+
+
+def compute_advantages(rows, local: StepBatch, local_rows: list[int], cfg: MegaRLConfig, dp_group,
                        kl_coef: float, value_pretraining: bool = False) -> dict[str, float]:
     """Sets local.advantages (and local.returns for critic estimators); returns metrics.
 
-    `batch` is the whole step (same on every rank), `local` its rows `local_rows` with this DP
-    rank's log-probs and values. Critic estimators run per sequence on the local rows and are
-    whitened (when asked) over the policy-loss tokens of the whole batch (DP-reduced moments).
-    Group estimators see every row: rewards with a KL term are gathered across DP first.
+    `rows`: the step's rows as per-sample vectors, the same on every rank (megarl.trainer.rows.RowTable,
+    or a StepBatch of all of them); `local` its rows `local_rows` with this DP rank's log-probs and
+    values. Nothing of another rank's rows but per-sample scalars is used:
+
+    - critic estimators run per sequence on the local rows, whitened (when asked) over the
+      policy-loss tokens of the whole batch (DP-reduced moments);
+    - REINFORCE++ likewise (its discounted returns, whitened over the response tokens of the
+      whole batch); REINFORCE++-baseline whitens the group-centred score s_i - mean_g (Dr. GRPO's
+      advantage) broadcast to the local tokens, with DP-reduced moments;
+    - every other critic-free estimator (GRPO, RLOO, ReMax, OPO, GPG, a dotted-path one) sees the
+      whole batch with one token per sample: token_rewards [N, 1] = s_i, mask [N, 1] (1 where the
+      response has tokens), `lengths` [N] response tokens, group_index and baseline_scores [N],
+      and returns [N, 1]; its value is broadcast over the sample's response tokens. s_i is the
+      score (0 for an empty response), or with a KL term in the reward sum_t r_t over the
+      sample's tokens, summed on the rank that holds it and DP-reduced.
     """
     al = cfg.algorithm
     estimator = A.ADVANTAGES.resolve(al.advantage, "algorithm.advantage")
     rewards, metrics = token_rewards(local, cfg, kl_coef, dp_group)
     params = _params(cfg, value_pretraining)
     if not uses_critic_advantage(cfg):
-        full_rewards = (gather_rows(rewards, local_rows, len(batch), dp_group) if kl_in_reward(cfg)
-                        else A.place_outcome_reward(batch.score, batch.response_mask))
-        inputs = A.AdvantageInputs(token_rewards=full_rewards, mask=batch.response_mask, group_index=batch.uid,
-                                   baseline_scores=batch.baseline_score)
-        adv, _ = estimator(inputs, params)
-        local.advantages = _weighted(adv[torch.tensor(local_rows, dtype=torch.long)] * local.response_mask, local)
+        local.advantages = _weighted(_critic_free(estimator, rows, local, local_rows, rewards, cfg, params, dp_group),
+                                     local)
         local.returns = local.advantages
         return metrics
     if local.turn_ends is not None:  # PAG: GAE over generated tokens, per turn; RoleAdvNorm
@@ -207,12 +246,45 @@ def compute_advantages(batch: StepBatch, local: StepBatch, local_rows: list[int]
                                truncated=local.truncated)
     adv, returns = estimator(inputs, params)
     if al.whiten_advantages:
-        moments = _dp_all_reduce(A.masked_moments(adv, local.loss_mask).double(), dp_group)
-        mean, var = A.stats_from_moments(moments)
-        adv = (adv - mean.float()) * torch.rsqrt(var.float() + 1e-8)
+        adv = _dp_whiten(adv, local.loss_mask, dp_group, keep_masked_out=True)
     local.advantages = _weighted(adv * gae_mask, local)
     local.returns = returns * gae_mask
     return metrics
+
+
+def _critic_free(estimator, rows, local: StepBatch, local_rows: list[int], rewards: torch.Tensor, cfg: MegaRLConfig,
+                 params: A.AdvantageParams, dp_group) -> torch.Tensor:
+    """[n_local, T] advantages of a critic-free estimator (`compute_advantages`)."""
+    here = torch.tensor(local_rows, dtype=torch.long)
+    lengths = rows.response_lengths
+    if kl_in_reward(cfg):
+        s = per_sample((rewards * local.response_mask).sum(-1), local_rows, len(lengths), dp_group)
+    else:
+        s = torch.where(lengths > 0, rows.score, torch.zeros_like(rows.score))
+    if cfg.algorithm.advantage == "reinforce_pp":
+        r = rewards if kl_in_reward(cfg) else A.place_outcome_reward(local.score, local.response_mask)
+        returns = A.discounted_returns(r, local.response_mask, params.gamma)
+        return _dp_whiten(returns, local.response_mask, dp_group)
+    if cfg.algorithm.advantage == "reinforce_pp_baseline":  # s_i - mean_g (0 for a group of one), then whitened
+        centred = A.grpo_advantages(s, rows.uid, norm_by_std=False)[here]
+        return _dp_whiten(A.broadcast_to_tokens(centred.to(local.response_mask.dtype), local.response_mask),
+                          local.response_mask, dp_group)
+    inputs = A.AdvantageInputs(token_rewards=s.unsqueeze(1), mask=(lengths > 0).to(s.dtype).unsqueeze(1),
+                               group_index=rows.uid, baseline_scores=rows.baseline_score, lengths=lengths)
+    adv, _ = estimator(inputs, params)
+    if adv.shape != (len(lengths), 1):
+        raise ValueError(f"advantage estimator {cfg.algorithm.advantage!r} returned shape {tuple(adv.shape)}; a "
+                         f"critic-free estimator gets one token per sample and returns [{len(lengths)}, 1]")
+    return A.broadcast_to_tokens(adv[here, 0].to(local.response_mask.dtype), local.response_mask)
+
+
+def _dp_whiten(x: torch.Tensor, mask: torch.Tensor, dp_group, keep_masked_out: bool = False) -> torch.Tensor:
+    """(x - mean) / sqrt(var + 1e-8) with the mean and unbiased variance of x over the masked
+    tokens of every DP rank; 0 at masked-out positions unless keep_masked_out."""
+    mean, var = A.stats_from_moments(_dp_all_reduce(A.masked_moments(x, mask).double(), dp_group))
+    if keep_masked_out:
+        return (x - mean.to(x.dtype)) * torch.rsqrt(var.to(x.dtype) + 1e-8)
+    return A.masked_whiten(x, mask, stats=(mean.to(x.dtype), var.to(x.dtype)))
 
 
 def generated_mask(batch: StepBatch) -> torch.Tensor:

@@ -127,7 +127,7 @@ def sft(cfg: MegaRLConfig, max_steps: int | None = None, save_to: str | None = N
         batch = StepBatch.from_trajectories([rows[i] for i in order[: cfg.sft.batch_size]])
         del order[: cfg.sft.batch_size]
         batch.loss_mask = batch.response_mask
-        local = rl.split_minibatches(batch, len(batch), step, dp_rank, dp_size)[0]
+        local = rl.split_minibatches(batch.lengths, len(batch), step, dp_rank, dp_size)[0]
         counts = rl.global_counts(batch, local, dp_group, batch.loss_mask)
         actor.set_lr(step)
         metrics = actor.train_step(batch, nll_loss_fn(counts), local)

@@ -1,5 +1,6 @@
 """The rollout phase of a step as the loop sees it: `step_collector(cfg, run)` returns
-`collect(step, state) -> (trajectories, metrics)`.
+`collect(step, state) -> (rows, metrics)`: the step's rows as RowMetas in one global order, the
+same on every rank, whose payloads stay where they were generated (megarl/trainer/rows.py).
 
 One batch per step from `collect_step_batch` (DAPO's dynamic sampling: generation rounds until the
 step has prompts_per_step groups with mixed outcomes; ReMax's greedy baseline), from a user's
@@ -12,26 +13,29 @@ from __future__ import annotations
 from megarl.config import MegaRLConfig
 from megarl.registry import import_object
 from megarl.rollout import SamplingParams
-from megarl.trainer.batch import Trajectory
 from megarl.trainer.generation import PEAK_METRICS, RolloutWorker, generation_metrics, sampling_from_config, step_seed
+from megarl.trainer.rows import RowMeta
 from megarl.trainer.windows import SuccessiveBatching
 
 
-def group_by_uid(trajs: list[Trajectory]) -> list[list[Trajectory]]:
-    groups: dict[str, list[Trajectory]] = {}
+def group_by_uid(trajs: list) -> list[list]:
+    groups: dict[str, list] = {}
     for t in trajs:
         groups.setdefault(t.uid, []).append(t)
     return list(groups.values())
 
 
-def keep_mixed_groups(groups: list[list[Trajectory]]) -> list[list[Trajectory]]:
+def keep_mixed_groups(groups: list[list]) -> list[list]:
     """DAPO dynamic sampling: keep groups with 0 < #correct < G (filter on accuracy, not reward)."""
     return [g for g in groups if 0 < sum(t.acc for t in g) < len(g)]
 
 
 def collect_step_batch(next_items, encode, worker: RolloutWorker, cfg: MegaRLConfig, step: int,
-                       buffer: list[list[Trajectory]]) -> tuple[list[Trajectory], dict[str, float]]:
-    """Returns the trajectories of one step (prompts_per_step groups) and rollout metrics.
+                       buffer: list[list[RowMeta]]) -> tuple[list[RowMeta], dict[str, float]]:
+    """Returns the rows of one step (prompts_per_step groups) and rollout metrics. It decides on
+    what `worker.generate` returns (RowMetas; anything with uid, acc, score, response_len,
+    finish_reason), so a custom rollout.function of this signature does too; the payloads of rows
+    it neither returns nor leaves in `buffer` are freed after it returns.
 
     Without dynamic sampling: one round of prompts_per_step prompts. With it (DAPO Algorithm 1):
     rounds of gen_batch_prompts prompts; mixed groups go into `buffer` until it holds
@@ -61,12 +65,15 @@ def collect_step_batch(next_items, encode, worker: RolloutWorker, cfg: MegaRLCon
         for k, v in worker.metrics.items():  # counts and sums: add up over the rounds; peaks: the largest
             reward_metrics[k] = max(reward_metrics.get(k, 0.0), v) if k in PEAK_METRICS else reward_metrics.get(k, 0.0) + v
         groups = group_by_uid(trajs)
-        buffer.extend(keep_mixed_groups(groups))
+        kept = keep_mixed_groups(groups)
+        _free(worker, [t for g in groups if not any(g is k for k in kept) for t in g])  # only kept groups' payloads stay
+        buffer.extend(kept)
         stats["rollout/generated_groups"] += len(groups)
         rnd += 1
     stats["rollout/rounds"] = float(rnd)
     taken, buffer[:] = buffer[: ro.prompts_per_step], buffer[ro.prompts_per_step :]
     if not ro.carry_over_groups:
+        _free(worker, [t for g in buffer for t in g])
         buffer.clear()  # docs/algorithms.md §2: truncate to exactly prompts_per_step groups
     batch = [t for g in taken for t in g]
     stats["rollout/kept_group_frac"] = len(taken) / max(stats["rollout/generated_groups"], 1.0)
@@ -74,11 +81,12 @@ def collect_step_batch(next_items, encode, worker: RolloutWorker, cfg: MegaRLCon
 
 
 def greedy_sampling(sampling: SamplingParams) -> SamplingParams:
-    """One greedy response per prompt (temperature 0, no FIRE), otherwise as `sampling`."""
-    return SamplingParams(**{**sampling.__dict__, "n": 1, "temperature": 0.0, "fire": False})
+    """One greedy response per prompt (temperature 0, no FIRE, no routed experts: it is never
+    trained on), otherwise as `sampling`."""
+    return SamplingParams(**{**sampling.__dict__, "n": 1, "temperature": 0.0, "fire": False, "return_routing": False})
 
 
-def _generate(worker, items, encoded, cfg: MegaRLConfig, seed: int) -> list[Trajectory]:
+def _generate(worker, items, encoded, cfg: MegaRLConfig, seed: int) -> list[RowMeta]:
     """`worker.generate` of one round. With algorithm.advantage=remax also one greedy response per
     prompt (ReMax's baseline, arXiv 2310.10505): its score becomes `baseline_score` of that prompt's
     sampled trajectories, and the greedy trajectory itself is dropped (never trained on).
@@ -88,11 +96,19 @@ def _generate(worker, items, encoded, cfg: MegaRLConfig, seed: int) -> list[Traj
     if cfg.algorithm.advantage != "remax":
         return trajs
     sampled_metrics = dict(worker.metrics)
-    baseline = {t.uid: float(t.score) for t in worker.generate(items, encoded, greedy_sampling(sampling))}
+    greedy = worker.generate(items, encoded, greedy_sampling(sampling))
+    _free(worker, greedy)
+    baseline = {t.uid: float(t.score) for t in greedy}
     worker.metrics = sampled_metrics
     for t in trajs:
         t.baseline_score = baseline[t.uid]
     return trajs
+
+
+def _free(worker, rows: list) -> None:
+    """The payloads of rows no one will train leave the ranks that hold them (RolloutWorker.free)."""
+    if hasattr(worker, "free"):
+        worker.free(rows)
 
 
 def collect_function(cfg: MegaRLConfig):
@@ -101,7 +117,7 @@ def collect_function(cfg: MegaRLConfig):
 
 
 def step_collector(cfg: MegaRLConfig, run):
-    """The rollout phase of the loop as `collect(step, state) -> (trajectories, metrics)`: T-PPO
+    """The rollout phase of the loop as `collect(step, state) -> (rows, metrics)`: T-PPO
     successive batching with rollout.window_tokens (state.in_flight carries unfinished samples),
     else one batch per step from `collect_function(cfg)` (state.carried_groups: its buffer)."""
     if cfg.rollout.window_tokens:

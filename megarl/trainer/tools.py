@@ -98,7 +98,7 @@ def score(worker, items, samples: list[ToolTrajectory]) -> tuple[list[Trajectory
             uid=item.uid, prompt_ids=list(s.prompt_ids), response_ids=list(s.response_ids),
             rollout_logprobs=list(s.logprobs), finish_reason=s.finish_reason, score=float(sc) - penalty,
             acc=bool(acc), data_source=item.data_source, policy_version=worker.policy_version,
-            template_mask=list(s.obs_mask), tool_stats=stats))
+            template_mask=list(s.obs_mask), tool_stats=stats, routed_experts=s.routed_experts))
     return trajs, metrics
 
 

@@ -12,6 +12,7 @@ the global-batch loss.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Callable
@@ -23,7 +24,7 @@ from megarl.models.attention import thd_params
 from megarl.parallel import host_offload
 from megarl.parallel.distributed import device
 from megarl.trainer import offload
-from megarl.trainer.batch import MicroBatch, StepBatch, TokenLayout, split_microbatches
+from megarl.trainer.batch import MicroBatch, StepBatch, TokenLayout, Trajectory, split_microbatches
 
 # the distributed optimizer's reshardable format: loads under another DP / TP / PP layout
 OPTIM_CKPT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -85,6 +86,8 @@ class TrainModel:
         self.routing_replay = routing_replay and self.is_moe
         self.track_routing = track_routing and self.is_moe
         self.routing_metrics: dict[str, float] = {}  # of the last forward_only pass with routing
+        self.moe_layers = routing.local_moe_layers(self.chunks)  # this stage's MoE layers (global indices)
+        self.uses_routed_experts = self.routing_replay or self.track_routing  # the engine's experts reach it
         if self.routing_replay:
             routing.install_replay_hooks(self.chunks)
         if freeze_router:  # before DDP: parameters without requires_grad get no grad buffer, no optimizer state
@@ -114,6 +117,9 @@ class TrainModel:
             self.config.grad_scale_func = self.optimizer.scale_loss
         self.pp_group = ps.get_pipeline_model_parallel_group()
         self.dp_group = ps.get_data_parallel_group()
+        # MoE with expert parallelism: the token all-to-alls span DP ranks, so every DP rank must
+        # run the same number of micro-batches (`microbatches`)
+        self.same_microbatch_count = self.is_moe and ps.get_expert_model_parallel_world_size() > 1
         self.dp_size = ps.get_data_parallel_world_size()
         self.is_last_stage = ps.is_pipeline_last_stage()
 
@@ -158,15 +164,41 @@ class TrainModel:
             group["lr"] = lr
         return lr
 
-    def microbatches(self, batch: StepBatch, rows: list[int] | None = None) -> list[MicroBatch]:
+    def microbatches(self, batch: StepBatch, rows: list[int] | None = None, training: bool = False) -> list[MicroBatch]:
         """Token-budget micro-batches (first-fit-decreasing, whole sequences) of `rows` (default
         all), each one packed THD row cut to this CP rank's chunks; host tensors, moved to the
-        device one at a time by the schedule."""
+        device one at a time by the schedule.
+
+        Collective over DP where it has to be: a MoE model with expert parallelism runs as many
+        micro-batches on every DP rank as the rank with the most (its all-to-alls span DP ranks),
+        and a training pass with no rows here still runs one (DDP reduces the gradients of every
+        rank). The missing ones are `padding_microbatch`es: a forward and backward with zero loss
+        weight, so every collective inside the model matches and the update does not change.
+        """
         rows = list(range(len(batch))) if rows is None else rows
-        if not rows:
-            return []
-        mbs = split_microbatches(batch, rows, self.max_tokens, self.layout, self.chunk_tokens, self.vision)
+        mbs = split_microbatches(batch, rows, self.max_tokens, self.layout, self.chunk_tokens, self.vision) if rows else []
+        want = len(mbs)
+        if self.same_microbatch_count and dist.is_initialized():
+            n = torch.tensor([want], dtype=torch.int64, device=device())
+            dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.dp_group)
+            want = int(n.item())
+        if training:
+            want = max(want, 1)
+        mbs += [self.padding_microbatch(batch) for _ in range(want - len(mbs))]
         return [mb.cp_shard(self.cp_rank, self.cp_size) for mb in mbs] if self.cp_size > 1 else mbs
+
+    def padding_microbatch(self, batch: StepBatch) -> MicroBatch:
+        """A micro-batch of one short row of token 0 (the smallest length the layout allows) that
+        trains nothing: its loss is multiplied by zero and `forward_only` ignores it. With routing
+        replay it replays experts 0..k-1, as the padding of every packed row does."""
+        n = max(2, self.layout.row_multiple)
+        routed = None
+        if batch.routed_experts is not None:
+            k, cols, dt = self.config.moe_router_topk, batch.routed_experts[0].shape[1], batch.routed_experts[0].dtype
+            routed = torch.arange(k, dtype=dt).expand(n, cols, k).clone()
+        t = Trajectory("padding", [0] * (n - 1), [0], [0.0], "stop", routed_experts=routed)
+        mb = split_microbatches(StepBatch.from_trajectories([t]), [0], n, self.layout, self.chunk_tokens, self.vision)[0]
+        return dataclasses.replace(mb, rows=[], data=batch.select([]), padding=True)
 
     # ---- GPU memory between phases -----------------------------------------------------------
     def offload(self) -> None:
@@ -202,18 +234,21 @@ class TrainModel:
             params = thd_params(mb.cu_seqlens, device=device(), rope_on_host=self.rope_on_host)  # read on the host, once
             mb = mb.to(device())
             if self.is_moe and mb.routed_experts is not None:
-                routing.check_routing_shape(mb.routed_experts, self.config)
+                columns = routing.routing_columns(mb.routed_experts, self.config, self.moe_layers)
                 local = routing.sequence_parallel_slice(mb.routed_experts.shape[0], self.config)
                 if self.routing_replay:
-                    routing.set_replay(model, mb.routed_experts[local])
+                    routing.set_replay(model, mb.routed_experts[local], columns)
                 if observer is not None:
-                    observer.expect(model, mb.routed_experts[local], mb.routing_valid[local])
+                    observer.expect(model, None if mb.padding else mb.routed_experts[local], mb.routing_valid[local],
+                                    columns)
             elif self.routing_replay:
                 routing.set_replay(model, None)
             out = model(mb.input_ids, mb.position_ids, None, packed_seq_params=params,
                         **mb.vision_inputs)
 
             def loss_func(output):
+                if mb.padding:  # trains nothing; keeps the collectives of the backward in step
+                    return output.float().sum() * 0.0, {}
                 loss, logs = loss_fn(mb, output)
                 return loss * scale, logs
 
@@ -296,7 +331,7 @@ class TrainModel:
     def train_step(self, batch: StepBatch, loss_fn: LossFn, rows: list[int] | None = None) -> dict[str, float]:
         """One optimizer step over micro-batches of `rows` of the batch (default all). Returns
         summed metrics (already normalised by global denominators in loss_fn) plus grad_norm."""
-        microbatches = self.microbatches(batch, rows)
+        microbatches = self.microbatches(batch, rows, training=True)
         for c in self.chunks:
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -407,8 +442,13 @@ def _sum_logs(logs: list[dict]) -> dict[str, float]:
 
 def _reduce_metrics(metrics: dict[str, float], pp_group, dp_group, is_last: bool) -> dict[str, float]:
     """Sums metrics over DP (each is already a share of a global mean) and shares them with all
-    PP stages (only the last stage computes losses)."""
+    PP stages (only the last stage computes losses). A DP rank that ran only padding micro-batches
+    has no metrics: the keys are the union over DP, its values 0."""
     keys = sorted(metrics) if is_last else None
+    if is_last and dist.get_world_size(dp_group) > 1:
+        every: list = [None] * dist.get_world_size(dp_group)
+        dist.all_gather_object(every, keys, group=dp_group)
+        keys = sorted({k for ks in every for k in ks})
     holder = [keys]
     if dist.get_world_size(pp_group) > 1:
         src = dist.get_process_group_ranks(pp_group)[-1]

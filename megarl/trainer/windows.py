@@ -9,7 +9,8 @@ prompts_per_step * n_samples_per_prompt slots are active at once. At step k (pol
 3. every active sample generates one window, at most window_tokens new tokens, under version k
    (carried ones continue their response: prompt + response so far are prefilled again);
 4. finished samples (EOS, or rollout.max_new_tokens in all) are scored and leave; unfinished ones
-   become the next step's in_flight (checkpointed with the trainer state, so a resume continues
+   become the next step's in_flight (RowMetas; their payloads stay with the engine that generated
+   them, which continues them next step, and are checkpointed by that rank, so a resume continues
    them exactly).
 
 The step trains on every active sample: the policy on its current window, the critic on the
@@ -18,16 +19,12 @@ finished ones (megarl.algorithms.tppo). Reward and length metrics are over finis
 
 from __future__ import annotations
 
-import dataclasses
-
 from megarl.config import MegaRLConfig
 from megarl.algorithms.tppo import staleness_histogram
-from megarl.trainer.batch import Trajectory
-from megarl.trainer.generation import generation_metrics, sampling_from_config, step_seed
+from megarl.trainer.generation import generation_metrics, restarted, sampling_from_config, step_seed  # noqa: F401
 
 
-def split_stale(in_flight: list[Trajectory], version: int,
-                max_staleness: int | None) -> tuple[list[Trajectory], list[Trajectory]]:
+def split_stale(in_flight: list, version: int, max_staleness: int | None) -> tuple[list, list]:
     """(samples that may continue under `version`, samples whose first window is more than
     `max_staleness` versions older than it); order kept."""
     if max_staleness is None:
@@ -37,19 +34,13 @@ def split_stale(in_flight: list[Trajectory], version: int,
     return fresh, stale
 
 
-def restarted(t: Trajectory, version: int) -> Trajectory:
-    """The sample with its response discarded, to be generated again from its prompt under `version`."""
-    return dataclasses.replace(t, response_ids=[], rollout_logprobs=[], finish_reason="truncated", score=0.0,
-                               acc=False, policy_version=version, window_start=0, start_version=version)
-
-
 def new_prompt_count(active: int, prompts_per_step: int, n: int) -> int:
     """Prompts that fit the free slots: (prompts_per_step * n - active) // n, at least 0."""
     return max(prompts_per_step * n - active, 0) // n
 
 
 class SuccessiveBatching:
-    """`collect(step, state) -> (trajectories, metrics)` for rollout.window_tokens (see the module docstring)."""
+    """`collect(step, state) -> (rows, metrics)` for rollout.window_tokens (see the module docstring)."""
 
     def __init__(self, cfg: MegaRLConfig, worker, next_items, encode, dataset_items):
         self.cfg, self.worker, self.next_items, self.encode = cfg, worker, next_items, encode
@@ -71,7 +62,7 @@ class SuccessiveBatching:
             "rollout/continued_samples": float(len(keep)), "rollout/restarted_samples": float(len(restarts)),
             "rollout/dropped_samples": float(len(stale) - len(restarts)),
             "rollout/finished_samples": float(len(finished)), "rollout/unfinished_samples": float(len(state.in_flight)),
-            "rollout/window_tokens_mean": sum(len(t.response_ids) - t.window_start for t in trajs) / max(len(trajs), 1),
+            "rollout/window_tokens_mean": sum(t.response_len - t.window_start for t in trajs) / max(len(trajs), 1),
             **window_staleness_metrics(trajs),
         }
         if finished:
@@ -79,7 +70,7 @@ class SuccessiveBatching:
         return trajs, {**metrics, **self.worker.metrics}
 
 
-def window_staleness_metrics(trajs: list[Trajectory]) -> dict[str, float]:
+def window_staleness_metrics(trajs: list) -> dict[str, float]:
     """Policy updates each sample of the step spans (latest window's version - first window's):
     mean, max and a histogram rollout/staleness/<updates> = number of samples."""
     ages = [t.policy_version - t.first_version for t in trajs]

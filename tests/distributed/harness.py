@@ -113,7 +113,7 @@ def dp_share(batch, step: int = 0) -> tuple[list[int], list]:
 
     from megarl.trainer import rl
 
-    return rl.local_minibatches(rl.split_minibatches(batch, len(batch), step, ps.get_data_parallel_rank(),
+    return rl.local_minibatches(rl.split_minibatches(batch.lengths, len(batch), step, ps.get_data_parallel_rank(),
                                                      ps.get_data_parallel_world_size()))
 
 

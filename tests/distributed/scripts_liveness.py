@@ -502,7 +502,7 @@ def obs_critic_loss(ctx, cfg):
 def obs_minibatches(ctx, cfg):
     from megarl.trainer import rl
 
-    return rl.split_minibatches(fixed_batch(cfg), cfg.algorithm.mini_batch_size, cfg.trainer.seed, 0, 1)
+    return rl.split_minibatches(fixed_batch(cfg).lengths, cfg.algorithm.mini_batch_size, cfg.trainer.seed, 0, 1)
 
 
 def _run_components(ctx, cfg):

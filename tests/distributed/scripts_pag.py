@@ -48,7 +48,7 @@ def case_components(cfg) -> dict:
         trajs, metrics = step_collector(cfg, run)(0, TrainerState())
     batch = StepBatch.from_trajectories(trajs)
     rl.set_masks(batch, cfg)
-    rows, _ = rl.local_minibatches(rl.split_minibatches(batch, len(batch), 0, run.dp_rank, run.dp_size))
+    rows, _ = rl.local_minibatches(rl.split_minibatches(batch.lengths, len(batch), 0, run.dp_rank, run.dp_size))
     local = batch.select(rows)
     local.old_logprobs = rl.compute_log_probs(run.actor, local, cfg.rollout.temperature)
     out = {"metrics": metrics, "mismatch": rl.logprob_mismatch(local, run.dp_group), "trajectories": []}

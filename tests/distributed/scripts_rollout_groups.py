@@ -1,15 +1,17 @@
 """Worker for tests/distributed/test_rollout_groups.py (4 gloo ranks).
 
 `engine_group(2)` must pair ranks {0,1} and {2,3}; a RolloutWorker with 2 ranks per engine must
-split the prompts over the 2 engines (not the 4 ranks) and keep each engine's samples once. The
-engines are builtin engines on identical weights, so both ranks of a pair generate the same
-samples from the same share, as an SGLang group would return its owner's samples to every rank.
+split the prompts over the 2 engines (not the 4 ranks), have only each engine's owner (ranks 0
+and 2) generate and keep its samples, every rank learn every row's metadata, and an error on an
+owner raise on both ranks of its pair. The engines are builtin engines on identical weights
+standing in for SGLang engines (whose owner drives the group's GPUs).
 """
 
 import torch
 import torch.distributed as dist
 
 from megarl.config import load_config
+from megarl.parallel.distributed import destroy_distributed, init_distributed
 from megarl.data.dataset import PromptItem
 from megarl.rollout import BuiltinEngine, SamplingParams
 from megarl.trainer.build import build_rewards, engine_group, load_hf_config_and_tokenizer
@@ -23,6 +25,8 @@ class RecordingEngine(BuiltinEngine):
     asked: list[list[int]] = []
 
     def generate(self, prompts, sampling):
+        if getattr(self, "fail", False):
+            raise RuntimeError("engine failed on purpose")
         self.asked = [list(p) for p in prompts]
         return super().generate(prompts, sampling)
 
@@ -30,7 +34,7 @@ class RecordingEngine(BuiltinEngine):
 def main() -> None:
     a = parse_args()
     model = str(a.root / "model")
-    dist.init_process_group("gloo")
+    init_distributed()
     group = engine_group(2)
     members = dist.get_process_group_ranks(group)
 
@@ -45,13 +49,22 @@ def main() -> None:
     sampling = SamplingParams(n=3, temperature=1.0, max_new_tokens=6, seed=5)
     out = {"members": members}
     for per_engine in (1, 2):
+        engine.asked, engine.group = [], group if per_engine == 2 else None
         worker = RolloutWorker(engine, tok, build_rewards(cfg), cfg, ranks_per_engine=per_engine)
-        trajs = worker.generate(items, encoded, sampling)
-        out[f"uids_{per_engine}"] = [t.uid for t in trajs]
+        rows = worker.generate(items, encoded, sampling)
+        out[f"uids_{per_engine}"] = [m.uid for m in rows]
+        out[f"sources_{per_engine}"] = sorted({m.source for m in rows})
+        out[f"held_{per_engine}"] = len(worker.store)
         out[f"scored_{per_engine}"] = worker.metrics.get("reward/count", -1.0)
         out[f"asked_{per_engine}"] = sorted(tok.decode(q) for q in engine.asked)
+    engine.fail = dist.get_rank() % 2 == 0  # the owners fail: the other rank of each pair must raise too
+    try:
+        worker.generate(items, encoded, sampling)
+        out["raised"] = None
+    except RuntimeError as e:
+        out["raised"] = str(e)
     finish(a.out, gather(out))
-    dist.destroy_process_group()
+    destroy_distributed()
 
 
 if __name__ == "__main__":

@@ -17,6 +17,11 @@ def test_engine_groups_and_sharding(tmp_path):
         assert all(p[f"scored_{per_engine}"] == 18.0 for p in parts), per_engine  # scored once, summed over ranks
     asked = [p["asked_1"] for p in parts]  # one engine per rank: four disjoint shares
     assert sorted(q for a in asked for q in a) == sorted(f"Q: {i}+{i}=?\n" for i in range(6))
-    asked = [p["asked_2"] for p in parts]  # one engine per pair: both ranks of a pair ask for the same share
-    assert asked[0] == asked[1] and asked[2] == asked[3] and asked[0] != asked[2]
+    assert [p["held_1"] for p in parts] == [6, 6, 3, 3]  # each rank keeps what it generated (2, 2, 1, 1 prompts)
+    assert all(p["sources_1"] == [0, 1, 2, 3] for p in parts)
+    asked = [p["asked_2"] for p in parts]  # one engine per pair: only its owner asks, for the pair's share
+    assert asked[1] == asked[3] == [] and asked[0] and asked[2] and not set(asked[0]) & set(asked[2])
     assert sorted(asked[0] + asked[2]) == sorted(f"Q: {i}+{i}=?\n" for i in range(6))
+    assert [p["held_2"] for p in parts] == [9, 0, 9, 0]  # the samples stay on the owners
+    assert all(p["sources_2"] == [0, 2] for p in parts)
+    assert [p["raised"] for p in parts] == ["engine failed on purpose"] * 4

@@ -213,7 +213,8 @@ def test_worker_generates_multi_turn_trajectories_when_enabled(tmp_path):
 
                                    *overrides])
         worker = RolloutWorker(engine, engine.tokenizer, build_rewards(cfg), cfg)
-        return worker.generate(items, encoded, sp), worker.metrics
+        rows = worker.generate(items, encoded, sp)  # RowMetas; the payloads stay in the worker's store
+        return [worker.store.get(m.key) for m in rows], worker.metrics
 
     owned = not dist.is_initialized()
     if owned:

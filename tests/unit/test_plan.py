@@ -78,7 +78,7 @@ def test_weights_are_two_bytes_per_param_and_adam_twelve_over_dp():
     cfg = load_config(None, ["model.name=qwen2.5-32b", "parallel.tp=1", "parallel.nodes=1", "parallel.gpus_per_node=8"])
     (actor,) = plan.model_states(QWEN32, cfg, world=8)
     assert actor.weights == 2 * 32_763_876_352           # bf16 weights of the whole 32B model
-    assert actor.grads == 2 * 32_763_876_352
+    assert actor.grads == 4 * 32_763_876_352  # float32: megatron DDP reduces gradients in fp32 (grad_reduce_in_fp32)
     assert actor.optimizer == 12 * 32_763_876_352 / 8    # fp32 master + m + v, sharded over DP=8
 
     # a CP layout: the distributed optimizer shards over DP x CP
@@ -252,7 +252,10 @@ LAYOUTS = sorted(glob.glob(os.path.join(CONFIGS, "layouts", "*", "*node.yaml")))
 # (one node) cannot hold the weights (docs/cluster.md, the DeepSeek-V3 / Kimi-K2 / GLM-4.5 table)
 ENGINE_TOO_BIG = "the model does not fit one engine of these GPUs"
 DOES_NOT_FIT = {("deepseek-v3", "dapo", "h100"): ENGINE_TOO_BIG, ("kimi-k2", "dapo", "h100"): ENGINE_TOO_BIG,
-                ("glm-4.5", "dapo", "h100"): "start the engine from an FP8 checkpoint"}
+                ("glm-4.5", "dapo", "h100"): "start the engine from an FP8 checkpoint",
+                # the actor's 19.3 GiB of bf16 weights (the stream's source) beside 119.8 GiB of FP8 engine
+                # weights: streaming from host-offloaded weights is not built (docs/cluster.md)
+                ("kimi-k2", "dapo", "h200"): "weight sync needs"}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda p: os.path.relpath(p, CONFIGS))
@@ -393,7 +396,7 @@ def test_moe_weights_shard_over_ep_and_optimizer_over_expert_dp():
     dense = 48 * ((2 * 2048 * 4096 + 2 * 2048 * 512) / 2 + replicated) + 151936 * 2048 / 2 * 2 + 2048
     assert a.stage_expert_params(1, 8, 1) == experts == 3_623_878_656
     assert actor.params_gpu == int(dense) + experts
-    assert actor.weights == actor.grads == 2 * actor.params_gpu
+    assert actor.weights == 2 * actor.params_gpu and actor.grads == 4 * actor.params_gpu
     assert actor.optimizer == pytest.approx(12 * dense / 32 + 12 * experts / 8)
     # expert-TP 2 splits every expert in two and halves the expert-DP group (64 / (2 * 8) = 4)
     (etp2,) = plan.model_states(a, load_config(None, ["model.name=qwen3-30b-a3b", "parallel.tp=2", "parallel.ep=8",
@@ -475,3 +478,32 @@ def test_planner_attention_block_is_the_attentions_own(cp, row, seq_len):
     heads = QWEN32.heads // cfg.parallel.tp
     workspace = sys.modules[plan.activation_bytes.__module__].attention_workspace_bytes(QWEN32, cfg, row, seq_len)
     assert workspace == 16 * heads * seq_len * attention.query_block_size(heads, row // cp, row, seq_len)
+
+
+def test_sync_phase_holds_the_actor_weights_the_engine_weights_and_the_stream_buffers():
+    """The weight sync (megarl.trainer.components.sync_weights): with rollout.offload_train_state the
+    gradients, optimizer state and other models are off the GPU, the actor's weights (the stream's
+    source) stay, the engine's weights come back, and the stream allocates its buckets' buffers
+    (megarl.planner.stream_transient_bytes; SGLang flattens each bucket once more)."""
+    cfg = load_config(["configs/recipes/qwen3-235b-a22b/dapo.yaml", "configs/layouts/qwen3-235b-a22b/16node.yaml"])
+    arch, hf, _ = plan.load_arch(cfg)
+    pl = plan.plan(cfg, arch, hf, plan.GPUS["h100"])
+    bucket = cfg.rollout.weight_bucket_mb * 2**20
+    actor = pl.states[0]
+    assert cfg.rollout.offload_train_state and cfg.rollout.engine == "sglang"
+    stream = plan.stream_transient_bytes(bucket, cfg.parallel.tp, cfg.parallel.pp) + bucket
+    assert pl.sync_stream == stream
+    assert pl.sync_peak == pytest.approx(actor.weights + pl.engine_weights + stream + pl.reserve)
+    assert plan.stream_transient_bytes(100, 4, 2) == 100 * (2 + 1 / 4 + 1) and plan.stream_transient_bytes(100, 1, 1) == 100
+    cfg.rollout.offload_train_state = False  # every model state stays on the GPU meanwhile
+    kept = plan.plan(cfg, arch, hf, plan.GPUS["h100"])
+    assert kept.sync_peak == pytest.approx(sum(s.resident for s in kept.states) + pl.engine_weights + stream + pl.reserve)
+
+
+def test_an_offloaded_optimizer_is_not_on_the_gpu_at_its_step():
+    """megatron's HybridDeviceOptimizer (offload fraction 1) steps on the host: the GPU holds weights
+    and gradients only."""
+    cfg = load_config(["configs/recipes/qwen3-30b-a3b/vapo.yaml", "configs/layouts/qwen3-30b-a3b/1node.yaml"])
+    arch, _, _ = plan.load_arch(cfg)
+    for s in plan.model_states(arch, cfg, 8):
+        assert s.offload_optimizer and s.at_step == s.weights + s.grads == s.resident

@@ -68,8 +68,9 @@ def run_worker(tmp_path, overrides=(), script=None):
     if owned:
         dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
     try:
-        trajs = worker.generate(items, [tok.encode("Q: 6*7=?\n")] * len(items),
-                                SamplingParams(n=1, max_new_tokens=200, seed=0))
+        rows = worker.generate(items, [tok.encode("Q: 6*7=?\n")] * len(items),
+                               SamplingParams(n=1, max_new_tokens=200, seed=0))
+        trajs = [worker.store.get(m.key) for m in rows]  # the payloads stay in the worker's store
     finally:
         if owned:
             dist.destroy_process_group()

@@ -53,15 +53,19 @@ def collector(parts, *overrides):
     return worker, SuccessiveBatching(cfg, worker, next_items, lambda its: [list(i.prompt_ids) for i in its], items)
 
 
-def run_steps(parts, steps, *overrides):
+def run_steps(parts, steps, *overrides, with_state=False):
+    """Per step (in-flight payloads before, the step's payloads, metrics, in-flight payloads after):
+    the collector returns RowMetas; their payloads are in the worker's store (one process: all here)."""
     worker, collect = collector(parts, *overrides)
     state, out = TrainerState(), []
+    payloads = lambda rows: [worker.store.get(m.key) for m in rows]  # noqa: E731
     for step in range(steps):
-        before = list(state.in_flight)
+        before = payloads(state.in_flight)
         worker.policy_version = step  # as the loop's weight sync sets it
-        trajs, metrics = collect(step, state)
-        out.append((before, trajs, metrics, list(state.in_flight)))
-    return out
+        rows, metrics = collect(step, state)
+        assert all(m.response_len == len(t.response_ids) for m, t in zip(rows, payloads(rows)))
+        out.append((before, payloads(rows), metrics, payloads(state.in_flight)))
+    return (out, worker, state) if with_state else out
 
 
 def test_carried_samples_continue_their_response_and_slots_refill(parts):
@@ -115,13 +119,21 @@ def test_pure_bookkeeping():
 
 
 def test_in_flight_samples_survive_a_checkpoint_round_trip(parts, tmp_path):
-    steps = run_steps(parts, 2)
-    state = TrainerState(step=2, in_flight=steps[-1][3])
+    """The metas in trainer_state.pt, the payloads in rows/rank0.pt (megarl.trainer.rows)."""
+    from megarl.trainer.rows import RowStore, rank_rows, restore_rows
+
+    steps, worker, state = run_steps(parts, 2, with_state=True)
     assert state.in_flight
     torch.save(state.state_dict(), tmp_path / "trainer_state.pt")
-    loaded = TrainerState()
+    (tmp_path / "rows").mkdir()
+    torch.save(rank_rows(worker.store, state.carried_rows, 0), tmp_path / "rows" / "rank0.pt")
+    loaded, store = TrainerState(), RowStore()
     loaded.load_state_dict(torch.load(tmp_path / "trainer_state.pt", weights_only=True))
-    assert loaded.in_flight == state.in_flight
+    loaded.remap(restore_rows(tmp_path, store, 0, 1))
+    assert [(m.uid, m.response_len, m.window_start) for m in loaded.in_flight] == \
+        [(m.uid, m.response_len, m.window_start) for m in state.in_flight]
+    assert [store.get(m.key) for m in loaded.in_flight] == steps[-1][3]  # the payloads, field by field
+    assert len(store) == len(state.in_flight)  # only the carried rows were saved
 
 
 def test_a_tail_minibatch_smaller_than_dp_joins_the_previous_one():
@@ -131,11 +143,11 @@ def test_a_tail_minibatch_smaller_than_dp_joins_the_previous_one():
 
     batch = StepBatch.from_trajectories([Trajectory(str(i), [1], [2] * (i + 1), [0.0] * (i + 1), "stop")
                                          for i in range(9)])
-    shares = [rl.split_minibatches(batch, 4, 0, r, 2) for r in (0, 1)]
+    shares = [rl.split_minibatches(batch.lengths, 4, 0, r, 2) for r in (0, 1)]
     assert [len(mbs) for mbs in shares] == [2, 2] and all(mb for mbs in shares for mb in mbs)
     assert sorted(i for mbs in shares for mb in mbs for i in mb) == list(range(9))
     assert sorted(len(a) + len(b) for a, b in zip(*shares)) == [4, 5]
-    assert [len(mb) for mb in rl.split_minibatches(batch, 4, 0, 0, 1)] == [4, 4, 1]  # one rank: unchanged
+    assert [len(mb) for mb in rl.split_minibatches(batch.lengths, 4, 0, 0, 1)] == [4, 4, 1]  # one rank: unchanged
 
 
 def test_tppo_preset_settings():

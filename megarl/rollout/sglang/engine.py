@@ -19,8 +19,9 @@ group a timeout longer than the longest generation (`megarl.trainer.build.engine
   is lazy: constructing this class starts nothing; `start()` or the first `resume_memory()` does.
   The owner removes torchrun's TORCHELASTIC_USE_AGENT_STORE while the engine starts
   (`engine_launch_env`); every rank should run with NCCL_CUMEM_ENABLE=0 (the launchers export it).
-- generate / continue_samples: the owner sends the requests (its own arguments are used), every
-  rank of the group gets the same samples back. Each request carries its own `sampling_seed`,
+- generate / continue_samples: called on the owner only, which sends the requests; the samples
+  stay on the owner (the other ranks of the group do not take part: SGLang's own processes drive
+  their GPUs; megarl's RolloutWorker tells them only whether the owner's work succeeded). Each request carries its own `sampling_seed`,
   derived from `SamplingParams.seed`, the prompt index and the sample index (`sample_seed`):
   SGLang's seeded sampling under deterministic inference would otherwise give the n samples of
   a prompt the same tokens. Without deterministic inference SGLang ignores the seeds.
@@ -49,7 +50,8 @@ the per-request seeds above. A checkpoint directory without tokenizer files star
 skip_tokenizer_init=True (then SGLang refuses stop strings).
 
 - routing replay (`return_routed_experts=True`, MoE models): the engine starts with
-  `enable_return_routed_experts=True` and every generate call asks for `return_routed_experts`;
+  `enable_return_routed_experts=True` and every generate call asks for `return_routed_experts`
+  (unless its SamplingParams.return_routing is false: evaluation);
   SGLang answers `meta_info["routed_experts"]`, the experts of the request's first
   len(input) + len(output) - 1 tokens as base64 of int32 [tokens, layers, top_k] (older versions:
   a nested list; both are read). SGLang 0.5.23: srt/managers/scheduler_components/
@@ -130,6 +132,7 @@ class SGLangEngine:
             server_kwargs["enable_return_routed_experts"] = True
             self.routing_shape = (int(config["num_hidden_layers"]), int(config["num_experts_per_tok"]))
         self._routing: dict[tuple[int, ...], torch.Tensor] = {}  # full sequence -> experts, of this call
+        self._want_routing = return_routed_experts  # this call asks for them (SamplingParams.return_routing)
         self.fp8 = fp8_names(self.model_path)  # (names stored block-FP8, block) or None
         self.load_format = load_format
         self.weights_valid = False
@@ -180,15 +183,24 @@ class SGLangEngine:
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
                  images: Sequence | None = None) -> list[Sample]:
         """images: vision-language models, one `PromptImages` (or None) per prompt; the prompts hold
-        the expanded image pad tokens, as HF's processor writes them."""
-        return run_on_owner(lambda: self._generate(prompts, sampling, images), self.group)
+        the expanded image pad tokens, as HF's processor writes them. On the owner only (module
+        docstring): the samples stay there."""
+        self._require_owner("generate")
+        return self._generate(prompts, sampling, images)
 
     def continue_samples(self, samples: Sequence[Sample], sampling: SamplingParams) -> list[Sample]:
-        return run_on_owner(lambda: self._continue(samples, sampling), self.group)
+        self._require_owner("continue_samples")
+        return self._continue(samples, sampling)
+
+    def _require_owner(self, what: str) -> None:
+        if not self.is_owner:
+            raise RuntimeError(f"SGLangEngine.{what} runs on the engine's owner (group rank 0) only: the owner's "
+                               "engine drives every GPU of the group, and the samples stay on the owner")
 
     def _generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
                   images: Sequence | None = None) -> list[Sample]:
         self._check(sampling)
+        self._want_routing = self.return_routed_experts and sampling.return_routing
         if images is not None and len(images) != len(prompts):
             raise ValueError(f"{len(images)} image entries for {len(prompts)} prompts")
         prompts = [self._check_ids(p, f"prompt {i}") for i, p in enumerate(prompts)]
@@ -210,6 +222,7 @@ class SGLangEngine:
 
     def _continue(self, samples: Sequence[Sample], sampling: SamplingParams) -> list[Sample]:
         self._check(sampling)
+        self._want_routing = self.return_routed_experts and sampling.return_routing
         if sampling.n != 1:
             raise ValueError(f"continue_samples: SamplingParams.n must be 1 (got {sampling.n})")
         contexts, budgets, todo, keys = [], [], [], []
@@ -248,7 +261,7 @@ class SGLangEngine:
                            [w for _, w in budgets], sampling, fire, seeds, images)
 
     def _call(self, call: GenerateCall) -> list[dict]:
-        extra = {"return_routed_experts": True} if self.return_routed_experts else {}
+        extra = {"return_routed_experts": True} if self._want_routing else {}
         if call.images is not None:
             if any(im is not None and im.pixel_values is not None for im in call.images):
                 extra["image_data"] = image_data(call.images)
@@ -260,7 +273,7 @@ class SGLangEngine:
         outputs = outputs if isinstance(outputs, list) else [outputs]
         if len(outputs) != len(call.input_ids):
             raise RuntimeError(f"SGLang answered {len(outputs)} outputs for {len(call.input_ids)} requests")
-        if self.return_routed_experts:
+        if self._want_routing:
             for ids, out in zip(call.input_ids, outputs):
                 full = list(ids) + [int(e[1]) for e in out["meta_info"]["output_token_logprobs"]]
                 self._routing[tuple(full)] = decode_routed_experts(
@@ -269,7 +282,7 @@ class SGLangEngine:
 
     def _routed(self, sequence: list[int]) -> torch.Tensor | None:
         """[len(sequence), layers, k] experts of a generated sequence (None without routing replay)."""
-        if not self.return_routed_experts:
+        if not self._want_routing:
             return None
         rec = self._routing.get(tuple(sequence))
         if rec is None:

@@ -381,22 +381,25 @@ def broadcast_from_owner(obj: Any, group: dist.ProcessGroup | None) -> Any:
     return box[0]
 
 
-def run_on_owner(fn: Callable[[], T], group: dist.ProcessGroup | None) -> T:
-    """Runs `fn` on the group's rank 0 and returns its result on every rank of `group`.
+def run_on_owner(fn: Callable[[], T], group: dist.ProcessGroup | None, share_result: bool = True) -> T | None:
+    """Runs `fn` on the group's rank 0 and returns its result on every rank of `group` (with
+    share_result=False only on the owner: the other ranks get None and learn only whether it
+    succeeded, so a large result never travels).
 
     An exception on the owner is re-raised on every rank (the other ranks would otherwise wait
     forever in the next collective).
     """
     result, error = None, None
-    if group is None or dist.get_rank(group) == 0:
+    owner = group is None or dist.get_rank(group) == 0
+    if owner:
         try:
             result = fn()
         except Exception as err:  # noqa: BLE001 - forwarded to every rank below
             error = err
-    result, error = broadcast_from_owner((result, error), group)
+    shared, error = broadcast_from_owner((result if share_result else None, error), group)
     if error is not None:
         raise error
-    return result  # type: ignore[return-value]
+    return result if owner else shared  # type: ignore[return-value]
 
 
 # ---------------------------------------------------------------------------- one segment
