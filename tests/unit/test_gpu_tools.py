@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 
 REPO = Path(__file__).resolve().parents[2]
 CPU_CHECKS = {"imports", "logits_local", "train_local", "attn_kernels"}
-GPU_CHECKS = {"logits_te", "train_te", "offload", "nccl", "sglang", "fp8", "cp2", "attn_cp2"}
+GPU_CHECKS = {"logits_te", "train_te", "offload", "offload_plain", "nccl", "sglang", "fp8", "cp2", "attn_cp2"}
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
                                 reason="CPU expectations (on a GPU node run tools/gpu_smoke.py itself)")
