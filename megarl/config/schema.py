@@ -60,8 +60,8 @@ class ModelConfig:
     sequence_parallel: bool = doc_field(False, "megatron sequence parallelism (needs parallel.tp > 1)")
     cp_comm_type: Literal["p2p", "a2a", "allgather", "a2a+p2p"] = doc_field(
         "p2p", "Transformer Engine's context-parallel exchange: p2p (K/V ring) or a2a (all-to-all of Q/K/V); "
-        "allgather and a2a+p2p are refused (TE rejects them for packed THD sequences); megarl's local "
-        "attention always all-gathers K/V"
+        "allgather and a2a+p2p are refused (TE rejects them for packed THD sequences), a2a for multi-latent "
+        "attention and where CP does not divide each TP rank's heads; megarl's local attention always all-gathers K/V"
     )
     logprob_chunk_tokens: int = doc_field(
         4096, "log-probs / entropy / values are computed over this many response tokens at a time (with "
