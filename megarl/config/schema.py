@@ -177,6 +177,10 @@ class RolloutConfig:
     sglang_chunked_prefill_size: int | None = doc_field(
         None, "SGLang chunked_prefill_size (prefill tokens per forward; -1 = no chunking); null = SGLang's default"
     )
+    sglang_server_args: dict[str, Any] = doc_field(
+        {}, "further sglang.Engine keyword arguments (ServerArgs fields), e.g. {attention_backend: triton, "
+        "sampling_backend: pytorch} where flashinfer is missing; the fields megarl sets itself are refused"
+    )
     offload_train_state: bool = doc_field(
         True, "colocated: move actor/critic/ref weights, grads and optimizer state off the GPU during rollout"
     )

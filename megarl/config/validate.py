@@ -100,6 +100,10 @@ def validate_config(cfg: MegaRLConfig, where: Callable[[str], str] | None = None
     e.check(ctx_len is None or ctx_len >= d.max_prompt_len + r.max_new_tokens, "rollout.sglang_context_length",
             f"must hold the longest sequence data.max_prompt_len + rollout.max_new_tokens = "
             f"{d.max_prompt_len + r.max_new_tokens} (a shorter context cuts responses early), or be null; got {ctx_len}")
+    taken = sorted(set(r.sglang_server_args) & set(MEGARL_SERVER_ARGS))
+    e.check(not taken, "rollout.sglang_server_args",
+            "megarl sets " + ", ".join(f"{k} ({MEGARL_SERVER_ARGS[k]})" for k in taken) + " itself: remove "
+            + ("it" if len(taken) == 1 else "them"))
     chunk = r.sglang_chunked_prefill_size
     e.check(chunk is None or chunk == -1 or chunk >= 1, "rollout.sglang_chunked_prefill_size",
             f"must be >= 1, -1 (no chunking) or null, got {chunk}")
@@ -212,6 +216,17 @@ def validate_config(cfg: MegaRLConfig, where: Callable[[str], str] | None = None
     e.check(q.critic_sft_steps == 0 or cfg.critic.enable, "quickstart.critic_sft_steps", "needs critic.enable=true")
     _check_prm(e, cfg)
     e.raise_if_any()
+
+
+# sglang.Engine keywords megarl sets itself (megarl.rollout.sglang: SGLangEngine, server_args), with the field that says them
+MEGARL_SERVER_ARGS = {
+    "model_path": "model.hf_path", "tp_size": "parallel.rollout_tp", "mem_fraction_static": "rollout.mem_fraction",
+    "context_length": "rollout.sglang_context_length", "chunked_prefill_size": "rollout.sglang_chunked_prefill_size",
+    "enable_return_routed_experts": "algorithm.routing_replay", "enable_memory_saver": "(always on: colocation)",
+    "dtype": "(the engine's dtype argument)", "load_format": "(the engine's load_format argument)",
+    "base_gpu_id": "(this rank's GPU)", "random_seed": "(the engine's random_seed argument)",
+    "enable_weights_cpu_backup": "(the engine's argument)", "skip_tokenizer_init": "(whether the model has tokenizer files)",
+}
 
 
 # model.cp_comm_type values Transformer Engine's context-parallel attention accepts for packed

@@ -172,7 +172,8 @@ def test_engine_launch_env_hides_the_agent_store_and_restores_the_trainer_env():
     environ = {"TORCHELASTIC_USE_AGENT_STORE": "True", "CUDA_DEVICE_MAX_CONNECTIONS": "1", "RANK": "3"}
     with engine_launch_env(environ) as env:
         assert "TORCHELASTIC_USE_AGENT_STORE" not in env and env["RANK"] == "3"
-        env.update(CUDA_DEVICE_MAX_CONNECTIONS="8", NCCL_CUMEM_ENABLE="0", SGLANG_RUN_ID="x")
+        env.update(CUDA_DEVICE_MAX_CONNECTIONS="8", NCCL_CUMEM_ENABLE="0", SGLANG_RUN_ID="x",
+                   CUDA_MODULE_LOADING="AUTO")  # SGLang 0.5.17 sets it too
     assert environ == {"TORCHELASTIC_USE_AGENT_STORE": "True", "CUDA_DEVICE_MAX_CONNECTIONS": "1",
                        "RANK": "3", "SGLANG_RUN_ID": "x"}
     with pytest.raises(KeyError):
