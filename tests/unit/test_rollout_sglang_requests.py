@@ -116,6 +116,7 @@ def test_with_last_flag_and_versions():
     assert list(with_last_flag(iter("abc"))) == [("a", False), ("b", False), ("c", True)]
     assert version_tuple("0.5.23.post1") == (0, 5, 23) and version_tuple("0.5.21rc1") == (0, 5, 21)
     assert not needs_weight_update_session("0.5.20") and needs_weight_update_session("0.5.21")
+    assert not needs_weight_update_session("0.5.17")  # the GPU bundle (../shared/gpu/sglang): no session calls
     assert needs_weight_update_session("0.6.0")
     with pytest.raises(ValueError, match="cannot parse"):
         version_tuple("dev")
