@@ -76,11 +76,16 @@ def _flat(storage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
-def _storage_to_host(storage) -> tuple:
+def _storage_to_host(storage, hosts: dict) -> tuple:
+    """(storage, its bytes, pinned host copy): the copy is made and the storage resized to 0. The
+    pinned buffer of an earlier round trip (in `hosts`, by storage) is reused: pinning is slow."""
     n = storage.nbytes()
     if not storage.resizable():
         raise RuntimeError(f"offload: a storage of {n} bytes cannot be resized in place (not allocated by torch)")
-    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    key = storage._cdata
+    host = hosts.get(key)
+    if host is None or host.numel() != n:
+        host = hosts[key] = torch.empty(n, dtype=torch.uint8, pin_memory=True)
     host.copy_(_flat(storage), non_blocking=True)
     storage.resize_(0)  # freed on the current stream, after the copy
     return storage, n, host
@@ -114,8 +119,9 @@ def optimizer_state_tensors(optimizer) -> list:
             for v in st.values() if torch.is_tensor(v)]
 
 
-def to_host(chunks, optimizer, part: str) -> Moved:
-    """Moves one part (PARTS) of the training state of `chunks` and `optimizer` to the host."""
+def to_host(chunks, optimizer, part: str, hosts: dict | None = None) -> Moved:
+    """Moves one part (PARTS) of the training state of `chunks` and `optimizer` to the host;
+    `hosts` keeps the pinned host buffers from one round trip to the next."""
     if part not in PARTS:
         raise ValueError(f"offload part {part!r}: expected one of {PARTS}")
     moved = Moved(part, buffers=buffers_of(chunks))
@@ -133,7 +139,7 @@ def to_host(chunks, optimizer, part: str) -> Moved:
         storage = t.untyped_storage()
         if t.is_cuda and storage.nbytes() > 0 and _key(t) not in seen:
             seen.add(_key(t))
-            moved.storages.append(_storage_to_host(storage))
+            moved.storages.append(_storage_to_host(storage, {} if hosts is None else hosts))
     for buf in moved.buffers:
         buf.offload_to_cpu(move_params=part == "weights", move_grads=part == "state")
     return moved

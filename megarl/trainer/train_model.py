@@ -102,6 +102,7 @@ class TrainModel:
         self.cp_rank, self.cp_size = ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()
         self.optimizer = None
         self._moved: dict[str, offload.Moved] = {}  # what `offload` moved, by part (offload.PARTS)
+        self._host_buffers: dict = {}  # pinned host copies, reused by every offload
         if optim is not None:
             ddp_cfg = DistributedDataParallelConfig(
                 grad_reduce_in_fp32=True, use_distributed_optimizer=optim.use_distributed_optimizer
@@ -183,7 +184,7 @@ class TrainModel:
         parts = offload.PARTS if weights else offload.PARTS[:1]
         todo = [part for part in parts if part not in self._moved]
         for part in todo:
-            self._moved[part] = offload.to_host(self.chunks, self.optimizer, part)
+            self._moved[part] = offload.to_host(self.chunks, self.optimizer, part, self._host_buffers)
         if todo:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
