@@ -708,7 +708,7 @@ def check_sglang(ctx: Ctx) -> str:
         greedy = SamplingParams(temperature=0.0, max_new_tokens=16)
         first = engine.generate(prompts, greedy)
         # the colocated cycle (megarl/rollout/sglang/engine.py): release everything for training,
-        # weights back + update with the training state resident, then the rest for generation
+        # weights back + update from the trainer's weights, then the rest for generation
         engine.release_memory()
         engine.resume_memory(["weights"])
         push()
