@@ -27,6 +27,10 @@ Checks, in order (names for --only / --skip):
                 still changes the weights and matches a twin model that never offloaded. The same
                 for offload_optimizer=true (HybridDeviceOptimizer): after each offload -> onload ->
                 train_step the next forward reads updated weights. CUDA only.
+  offload_plain the same without the distributed optimizer (tools/smoke/offload.py): after a full and
+                a two-stage round trip (gradients + optimizer state, then the weights) every parameter
+                keeps the gradient accumulator DDP hooked, the next step's main_grad is non-zero and
+                matches a twin's, each stage freed GPU memory. CUDA only.
   nccl          all_reduce, all_gather_into_tensor, broadcast and a send/recv ring on device tensors
                 over the default (nccl) group, values checked; all_reduce bus bandwidth. CUDA only.
   sglang        make_engine("sglang", load_format="dummy").start() -> update_weights(
@@ -290,21 +294,22 @@ def nll_loss_fn(n_tokens: float):
     return loss_fn
 
 
-def optim_config(lr: float = 1e-3, max_tokens: int = 48):
+def optim_config(lr: float = 1e-3, max_tokens: int = 48, distributed: bool = True):
     """A small token budget, so the batch spans several micro-batches (gradient accumulation)."""
     from megarl.config.schema import OptimConfig
 
     return OptimConfig(lr=lr, weight_decay=0.0, clip_grad=1.0, max_tokens_per_microbatch=max_tokens,
-                       use_distributed_optimizer=True)
+                       use_distributed_optimizer=distributed)
 
 
-def train_model(ctx: Ctx, impl: str, dtype: str, lr: float = 1e-3, model_options: dict | None = None):
+def train_model(ctx: Ctx, impl: str, dtype: str, lr: float = 1e-3, model_options: dict | None = None,
+                distributed: bool = True):
     """TrainModel of the tiny model with its HF weights loaded (and copied into the optimizer)."""
     from megarl.trainer.train_model import TrainModel
     from megarl.weights import load_hf_weights
 
-    model = TrainModel(hf_config(ctx), optim_config(lr), dtype=dtype, impl=impl, total_steps=10, seed=0,
-                       model_options=model_options)
+    model = TrainModel(hf_config(ctx), optim_config(lr, distributed=distributed), dtype=dtype, impl=impl,
+                       total_steps=10, seed=0, model_options=model_options)
     load_hf_weights(model.chunks, tiny_model_dir(ctx))
     model.optimizer.reload_model_params()  # fp32 main params from the loaded weights
     return model
@@ -579,6 +584,24 @@ def check_offload(ctx: Ctx) -> str:
     return run_offload_check(ctx)
 
 
+def check_offload_plain(ctx: Ctx) -> str:
+    """Item 4b: offload without the distributed optimizer (tools/smoke/offload.py): DDP's
+    gradient accumulators survive a round trip (full and two-stage), main_grad is non-zero after
+    it, the weights follow a twin that never offloaded."""
+    ctx.need_dist()
+    ctx.need_cuda()
+    from tools.smoke.offload import round_trip_check
+
+    impl = "transformer_engine" if ctx.te else "local"
+    batch = make_batch(trajectories())
+    loss = nll_loss_fn(float(batch.response_mask.sum()))
+    try:
+        return f"{impl} bf16: " + round_trip_check(
+            lambda: train_model(ctx, impl, "bf16", lr=1e-2, distributed=False), batch, loss, ctx.args.tol_offload_rel)
+    except ValueError as err:
+        raise CheckFailed(str(err)) from err
+
+
 def check_nccl(ctx: Ctx) -> str:
     """Item 5: collectives on device tensors over the default group, values checked."""
     ctx.need_dist()
@@ -685,7 +708,7 @@ def check_sglang(ctx: Ctx) -> str:
         greedy = SamplingParams(temperature=0.0, max_new_tokens=16)
         first = engine.generate(prompts, greedy)
         # the colocated cycle (megarl/rollout/sglang/engine.py): release everything for training,
-        # weights back + update with the training state resident, then the rest for generation
+        # weights back + update from the trainer's weights, then the rest for generation
         engine.release_memory()
         engine.resume_memory(["weights"])
         push()
@@ -913,6 +936,7 @@ CHECKS: list[Check] = [
     Check("attn_cp2", check_attn_cp2, True),
     Check("train_te", check_train_te, True),
     Check("offload", check_offload, True),
+    Check("offload_plain", check_offload_plain, True),
     Check("nccl", check_nccl, True),
     Check("sglang", check_sglang, True),
     Check("fp8", check_fp8, True),

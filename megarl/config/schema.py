@@ -60,8 +60,8 @@ class ModelConfig:
     sequence_parallel: bool = doc_field(False, "megatron sequence parallelism (needs parallel.tp > 1)")
     cp_comm_type: Literal["p2p", "a2a", "allgather", "a2a+p2p"] = doc_field(
         "p2p", "Transformer Engine's context-parallel exchange: p2p (K/V ring) or a2a (all-to-all of Q/K/V); "
-        "allgather and a2a+p2p are refused (TE rejects them for packed THD sequences); megarl's local "
-        "attention always all-gathers K/V"
+        "allgather and a2a+p2p are refused (TE rejects them for packed THD sequences), a2a for multi-latent "
+        "attention and where CP does not divide each TP rank's heads; megarl's local attention always all-gathers K/V"
     )
     logprob_chunk_tokens: int = doc_field(
         4096, "log-probs / entropy / values are computed over this many response tokens at a time (with "
@@ -176,6 +176,10 @@ class RolloutConfig:
     )
     sglang_chunked_prefill_size: int | None = doc_field(
         None, "SGLang chunked_prefill_size (prefill tokens per forward; -1 = no chunking); null = SGLang's default"
+    )
+    sglang_server_args: dict[str, Any] = doc_field(
+        {}, "further sglang.Engine keyword arguments (ServerArgs fields), e.g. {attention_backend: triton, "
+        "sampling_backend: pytorch} where flashinfer is missing; the fields megarl sets itself are refused"
     )
     offload_train_state: bool = doc_field(
         True, "colocated: move actor/critic/ref weights, grads and optimizer state off the GPU during rollout"

@@ -100,6 +100,10 @@ def validate_config(cfg: MegaRLConfig, where: Callable[[str], str] | None = None
     e.check(ctx_len is None or ctx_len >= d.max_prompt_len + r.max_new_tokens, "rollout.sglang_context_length",
             f"must hold the longest sequence data.max_prompt_len + rollout.max_new_tokens = "
             f"{d.max_prompt_len + r.max_new_tokens} (a shorter context cuts responses early), or be null; got {ctx_len}")
+    taken = sorted(set(r.sglang_server_args) & set(MEGARL_SERVER_ARGS))
+    e.check(not taken, "rollout.sglang_server_args",
+            "megarl sets " + ", ".join(f"{k} ({MEGARL_SERVER_ARGS[k]})" for k in taken) + " itself: remove "
+            + ("it" if len(taken) == 1 else "them"))
     chunk = r.sglang_chunked_prefill_size
     e.check(chunk is None or chunk == -1 or chunk >= 1, "rollout.sglang_chunked_prefill_size",
             f"must be >= 1, -1 (no chunking) or null, got {chunk}")
@@ -212,6 +216,17 @@ def validate_config(cfg: MegaRLConfig, where: Callable[[str], str] | None = None
     e.check(q.critic_sft_steps == 0 or cfg.critic.enable, "quickstart.critic_sft_steps", "needs critic.enable=true")
     _check_prm(e, cfg)
     e.raise_if_any()
+
+
+# sglang.Engine keywords megarl sets itself (megarl.rollout.sglang: SGLangEngine, server_args), with the field that says them
+MEGARL_SERVER_ARGS = {
+    "model_path": "model.hf_path", "tp_size": "parallel.rollout_tp", "mem_fraction_static": "rollout.mem_fraction",
+    "context_length": "rollout.sglang_context_length", "chunked_prefill_size": "rollout.sglang_chunked_prefill_size",
+    "enable_return_routed_experts": "algorithm.routing_replay", "enable_memory_saver": "(always on: colocation)",
+    "dtype": "(the engine's dtype argument)", "load_format": "(the engine's load_format argument)",
+    "base_gpu_id": "(this rank's GPU)", "random_seed": "(the engine's random_seed argument)",
+    "enable_weights_cpu_backup": "(the engine's argument)", "skip_tokenizer_init": "(whether the model has tokenizer files)",
+}
 
 
 # model.cp_comm_type values Transformer Engine's context-parallel attention accepts for packed
@@ -369,7 +384,8 @@ def _get(hf: Any, *names: str, default: Any = None) -> Any:
 
 def validate_model(cfg: MegaRLConfig, hf_config: Any) -> None:
     """Layout rules that need the model: heads / KV heads / FFN divisible by TP, layers by PP(*VPP),
-    experts by EP, heads by the rollout TP. ``hf_config`` is an HF config object or its dict."""
+    experts by EP, heads by the rollout TP, TE's context-parallel exchange (model.cp_comm_type) that
+    fits the attention. ``hf_config`` is an HF config object or its dict."""
     e = _Errors(None)
     p = cfg.parallel
     text = _get(hf_config, "text_config") or hf_config  # a vision-language config keeps its LM in text_config
@@ -400,4 +416,31 @@ def validate_model(cfg: MegaRLConfig, hf_config: Any) -> None:
             "replays the experts of an MoE model, but the HF config has no num_experts (a dense model): set it to false")
     e.check(bool(experts) or not cfg.model.freeze_router, "model.freeze_router",
             "freezes the router of an MoE model, but the HF config has no num_experts (a dense model): set it to false")
+    _check_te_cp_model(e, cfg, text, heads, kv)
     e.raise_if_any()
+
+
+def _check_te_cp_model(e: _Errors, cfg: MegaRLConfig, text: Any, heads: int, kv: int) -> None:
+    """What Transformer Engine 2.11's context parallelism asserts about the model
+    (attention/dot_product_attention/context_parallel.py, `attn_forward_func_with_cp` and
+    `AttnFuncWithCPAndQKVOA2A`): multi-latent attention (key width != value width) only with p2p
+    or a2a+p2p; a2a only when each TP rank's query and key/value heads divide by CP."""
+    m, p = cfg.model, cfg.parallel
+    if m.transformer_impl == "local" or p.cp == 1 or m.cp_comm_type != "a2a":
+        return
+    k_dim = (_get(text, "qk_nope_head_dim", default=0) or 0) + (_get(text, "qk_rope_head_dim", default=0) or 0)
+    v_dim = _get(text, "v_head_dim")
+    mla = _get(text, "kv_lora_rank") is not None and v_dim is not None and k_dim != v_dim
+    e.check(not mla, "model.cp_comm_type",
+            f"'a2a' with multi-latent attention (kv_lora_rank; keys of qk_nope_head_dim + qk_rope_head_dim = {k_dim}, "
+            f"values of v_head_dim = {v_dim}, as in DeepSeek-V3 / Kimi-K2) at parallel.cp={p.cp}: Transformer Engine's "
+            "context parallelism runs multi-latent attention only with p2p or a2a+p2p ('Context parallelism does not "
+            "support MLA'), and a2a+p2p refuses packed rows; use p2p")
+    if mla or heads % p.tp or kv % p.tp:
+        return  # said above, or by the tp checks
+    q_rank, kv_rank = heads // p.tp, kv // p.tp
+    e.check(q_rank % p.cp == 0 and kv_rank % p.cp == 0, "model.cp_comm_type",
+            f"'a2a' spreads each TP rank's attention heads over the CP ranks, but num_attention_heads={heads} and "
+            f"num_key_value_heads={kv} at parallel.tp={p.tp} leave {q_rank} query and {kv_rank} key/value heads per "
+            f"TP rank, not both divisible by parallel.cp={p.cp} (Transformer Engine: 'The number of attention heads "
+            "needs to be divisible by CP size'); use p2p, or a tp / cp that divides them")

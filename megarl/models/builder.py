@@ -115,6 +115,11 @@ def transformer_config(spec: ArchSpec, *, dtype: torch.dtype = torch.float32,
         config_class = MLATransformerConfig
         kwargs.update(mla_config_fields(spec.mla, spec.rope_theta))
     kwargs.update(overrides)
+    if kwargs.get("fp8"):  # a recipe this GPU cannot run fails here, not in TE's first autocast
+        from megarl.models.fp8 import check_fp8_recipe
+
+        recipe = kwargs.get("fp8_recipe", "delayed")
+        check_fp8_recipe(getattr(recipe, "value", recipe))
     return config_class(**kwargs)
 
 

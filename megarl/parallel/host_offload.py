@@ -17,6 +17,10 @@ by a test or tool that wants the offload path; nothing turns it on by default) a
 - `Tensor.pin_memory()` of a host tensor returns a host copy (on a GPU machine: a pinned copy;
   without an accelerator torch refuses) and fails for a device tensor, as CUDA does; a factory
   call with `pin_memory=True` allocates plain host memory;
+- assigning `.data` of a tensor a tensor on the other "device" resets its autograd gradient
+  accumulator, as torch does on a GPU (`VariableHooks::set_data` drops it when the device changes;
+  on CPU both sides are the CPU and it stays): hooks hung on the old accumulator (megatron DDP's
+  grad hook, which fills `main_grad`) no longer run;
 - `device_bytes(tensors)` counts the device memory a set of tensors holds (each storage once),
   so a test can check that an offload really emptied the device.
 
@@ -57,11 +61,27 @@ def device_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-class _PinnedMemoryMode(TorchFunctionMode):
-    """Pinned host memory as plain host memory (see the module docstring)."""
+_SET_DATA = torch.Tensor.data.__set__
+
+
+def _reset_grad_accumulator(t: torch.Tensor) -> None:
+    """Drops `t`'s gradient accumulator the way torch's set_data does on a device change: a
+    `.data` of another dtype resets it on any device (the next backward makes a new one)."""
+    other = torch.float64 if t.dtype != torch.float64 else torch.float32
+    _SET_DATA(t, torch.empty(0, dtype=other))
+
+
+class _HostOffloadMode(TorchFunctionMode):
+    """Pinned host memory as plain host memory; `.data` across devices resets the gradient
+    accumulator (see the module docstring)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func == _SET_DATA:
+            target, new = args
+            if target.requires_grad and strict_device.on_device(target) != strict_device.on_device(new):
+                _reset_grad_accumulator(target)
+            return func(*args)
         if func is torch.Tensor.pin_memory:
             if any(strict_device.on_device(t) for t in tree_leaves(args[:1])):
                 raise strict_device.DeviceMismatchError(
@@ -80,5 +100,5 @@ def enable() -> None:
     if not strict_device.enabled():
         raise RuntimeError("host offload on CPU models device memory: enable strict device mode first "
                            "(megarl.parallel.cpu_runtime.activate(strict=True))")
-    _PinnedMemoryMode().__enter__()  # above the CPU runtime's mode, for the life of the process
+    _HostOffloadMode().__enter__()  # above the CPU runtime's mode, for the life of the process
     _ENABLED = True

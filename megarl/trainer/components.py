@@ -96,10 +96,16 @@ class RunComponents:
 
     def sync_weights(self, version: int) -> None:
         """Streams the actor's weights into the engine (only its weight memory resumed), which
-        then generates for policy `version`."""
+        then generates for policy `version`. With rollout.offload_train_state the gradients and
+        optimizer state leave the GPU first (and the other models entirely): the sync's peak is
+        the trainer's weights + the engine's + one bucket. What is off stays off until
+        `generation` moves the rest and brings everything back for training (or `save`)."""
         from megarl.weights import stream_hf_weights
 
         with self.timer("weight_sync"):
+            if self.cfg.rollout.offload_train_state:
+                for m in self.train_models:
+                    m.offload(weights=m is not self.actor)
             self.engine.resume_memory(**self._tags(["weights"]))
             self.engine.update_weights(stream_hf_weights(self.actor.modules, self.hf_config,
                                                          self.cfg.rollout.weight_bucket_mb << 20))
@@ -160,6 +166,8 @@ class RunComponents:
         return self.data.train.next_batch()
 
     def save(self, state: TrainerState) -> None:
+        for m in self.train_models:  # after a weight sync the optimizer state may be off the GPU
+            m.onload()
         state.data = self.data.train.state_dict()
         models = {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
         checkpoint.save_checkpoint(self.cfg.trainer.run_dir, state.step, models, state.state_dict(),

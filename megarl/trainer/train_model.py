@@ -104,8 +104,8 @@ class TrainModel:
         self.layout = token_layout(self.config)  # CP / SP / FP8 split of every packed row
         self.cp_rank, self.cp_size = ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()
         self.optimizer = None
-        self._offloaded = False
-        self._moved = None  # what `offload` moved (megarl.trainer.offload.Moved)
+        self._moved: dict[str, offload.Moved] = {}  # what `offload` moved, by part (offload.PARTS)
+        self._host_buffers: dict = {}  # pinned host copies, reused by every offload
         if optim is not None:
             ddp_cfg = DistributedDataParallelConfig(
                 grad_reduce_in_fp32=True, use_distributed_optimizer=optim.use_distributed_optimizer
@@ -201,29 +201,35 @@ class TrainModel:
         return dataclasses.replace(mb, rows=[], data=batch.select([]), padding=True)
 
     # ---- GPU memory between phases -----------------------------------------------------------
-    def offload(self) -> None:
-        """Frees this model's GPU memory while the colocated rollout engine generates.
+    def offload(self, weights: bool = True) -> None:
+        """Frees this model's GPU memory while the colocated rollout engine has the GPU.
 
-        Optimizer state (fp32 main params, Adam moments) and the weights go to the host, the
-        gradients are dropped (they are zeroed before every update): megarl.trainer.offload,
-        which says why megatron's own optimizer offload is not used. No-op without a GPU (or
-        its CPU model, megarl.parallel.host_offload).
+        Gradients are dropped (they are zeroed before every update) and the optimizer's own
+        tensors (fp32 main params, Adam moments) go to the host; with `weights` the weights too.
+        `weights=False` is the weight sync's: the engine reads the trainer's weights. A later call
+        moves what is still here. megarl.trainer.offload says how (storage moved in place) and
+        why megatron's own optimizer offload is not used. No-op without a GPU (or its CPU
+        model, megarl.parallel.host_offload).
         """
-        if not host_offload.available() or self._offloaded:
+        if not host_offload.available():
             return
-        self._moved = offload.to_host(self.chunks, self.optimizer)
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        self._offloaded = True
+        parts = offload.PARTS if weights else offload.PARTS[:1]
+        todo = [part for part in parts if part not in self._moved]
+        for part in todo:
+            self._moved[part] = offload.to_host(self.chunks, self.optimizer, part, self._host_buffers)
+        if todo:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
 
     def onload(self) -> None:
         """Undoes `offload`: every tensor it moved is back on the GPU, views of DDP's buffers intact."""
-        if not self._offloaded:
+        if not self._moved:
             return
-        offload.to_device(self._moved)
-        self._moved = None
+        for part in reversed(offload.PARTS):
+            if part in self._moved:
+                offload.to_device(self._moved[part])
         torch.cuda.synchronize()
-        self._offloaded = False
+        self._moved = {}
 
     # ---- forward / backward ----------------------------------------------------------------
     def _forward_step(self, loss_fn: LossFn, scale: float, observer=None):

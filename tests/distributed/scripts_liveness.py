@@ -728,6 +728,7 @@ WITNESSES = {
     "rollout.kv_cache_gb": W("1e-6", obs_rollout_kv_cache),
     "rollout.sglang_context_length": W("50000", obs_sglang_server_args),
     "rollout.sglang_chunked_prefill_size": W("8192", obs_sglang_server_args),
+    "rollout.sglang_server_args": W("{{attention_backend: triton}}", obs_sglang_server_args),  # str.format braces
     "rollout.carry_over_groups": W("true", obs_collect, "algorithm.dynamic_sampling=true", "rollout.gen_batch_prompts=8"),
     "rollout.window_tokens": W("4", obs_sampling, "algorithm.advantage=egae"),
     "rollout.max_staleness": W("1", obs_windows, *TPPO),

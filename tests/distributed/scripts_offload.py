@@ -11,16 +11,22 @@ each offload the device bytes its weights still hold; an exception ends the case
 
 import dataclasses
 import random
+import types
 
 import torch
 
+from megarl.config import load_config
 from megarl.config.schema import OptimConfig
 from megarl.parallel import host_offload, strict_device
-from megarl.parallel.distributed import ParallelSizes, init_distributed
+from megarl.parallel.distributed import ParallelSizes, device, init_distributed
+from megarl.rollout.builtin import BuiltinEngine
+from megarl.trainer import offload
 from megarl.trainer.batch import StepBatch, Trajectory
 from megarl.trainer.build import load_hf_config_and_tokenizer
+from megarl.trainer.components import RunComponents
+from megarl.trainer.metrics import PhaseTimer
 from megarl.trainer.train_model import TrainModel
-from megarl.weights import load_hf_weights
+from megarl.weights import load_hf_weights, stream_hf_weights
 from tests.distributed.harness import finish, parse_args, train_model
 
 CASES = {  # name -> (model dtype, OptimConfig fields)
@@ -85,9 +91,26 @@ def run_case(model_dir: str, hf_config, dtype: str, fields: dict, steps: int = 3
     return res
 
 
+def accumulators_kept(model) -> bool:
+    """Whether every trained parameter's gradient accumulator is still the one megatron DDP hung
+    its grad hook on (the hook fills main_grad; a new accumulator has no hook)."""
+    for c in model.chunks:
+        hooked = {id(acc) for acc in c.grad_accs}
+        for p in c.module.parameters():
+            if p.requires_grad and id(p.expand_as(p).grad_fn.next_functions[0][0]) not in hooked:
+                return False
+    return True
+
+
+def main_grad_norm(model) -> float:
+    return float(sum(p.main_grad.float().norm() ** 2 for c in model.chunks for p in c.module.parameters()
+                     if p.requires_grad) ** 0.5)
+
+
 def round_trips(offloaded, twin, steps: int, res: dict) -> None:
     b = batch()
     loss = nll(float(b.response_mask.sum()))
+    res["accumulators_kept"], res["main_grad_norm"] = [], []
     for _ in range(steps):
         before = [p.detach().cpu().clone() for p in weights(offloaded)]
         offloaded.offload()
@@ -96,8 +119,10 @@ def round_trips(offloaded, twin, steps: int, res: dict) -> None:
         res["roundtrip_equal"].append(all(torch.equal(a, p.detach().cpu()) and strict_device.on_device(p)
                                           for a, p in zip(before, weights(offloaded))))
         res["optimizer_params"].append(optimizer_param_storage(offloaded))
+        res["accumulators_kept"].append(accumulators_kept(offloaded))
         start = logprobs(offloaded, b)
         offloaded.train_step(b, loss)
+        res["main_grad_norm"].append(main_grad_norm(offloaded))
         twin.train_step(b, loss)
         after = logprobs(offloaded, b)
         res["forward_moved"].append(float((after - start).abs().max()))
@@ -114,6 +139,87 @@ def reference_case(model_dir: str, hf_config) -> dict:
     off = host_offload.device_bytes(weights(m))
     m.onload()
     return {"device_bytes_offloaded": off, "forward_equal": bool(torch.equal(start, logprobs(m, b)))}
+
+
+def footprint(model) -> dict:
+    """Device bytes of the model's weights, gradients and optimizer tensors (megarl.trainer.offload's
+    split; an optimizer parameter that is a weight counts as a weight)."""
+    w = offload.weight_tensors(model.chunks)
+    keys = {t.untyped_storage()._cdata for t in w}
+    opt = [p for p in offload.optimizer_params(model.optimizer) if p.untyped_storage()._cdata not in keys]
+    return {"weights": host_offload.device_bytes(w),
+            "grads": host_offload.device_bytes(offload.gradient_tensors(model.chunks, model.optimizer)),
+            "optimizer": host_offload.device_bytes(opt + offload.optimizer_state_tensors(model.optimizer))}
+
+
+class WatchedEngine(BuiltinEngine):
+    """The builtin engine, recording the trainer's device footprint when each bucket arrives."""
+
+    def __init__(self, watch, **kwargs):
+        super().__init__(**kwargs)
+        self.watch, self.seen = watch, []
+
+    def update_weights(self, stream, strict: bool = True) -> None:
+        def watched():
+            for bucket in stream:
+                self.seen.append(self.watch())
+                yield bucket
+
+        super().update_weights(watched(), strict)
+
+
+def sync_case(model_dir: str, hf_config, fields: dict) -> dict:
+    """RunComponents.sync_weights and generation with rollout.offload_train_state=true, as the loop
+    runs them after a training step: the device footprint of the actor (and of a forward-only
+    reference model) before, during the weight stream, in generation and after; then a step that
+    must equal a twin's that never offloaded."""
+    cfg = load_config(None, ["rollout.engine=builtin", "rollout.offload_train_state=true", "rollout.weight_bucket_mb=1",
+                             "model.dtype=bf16"])
+    optim = dataclasses.replace(OptimConfig(lr=1e-2, weight_decay=0.0, clip_grad=1.0, max_tokens_per_microbatch=32),
+                                **fields)
+    actor, twin = (train_model(hf_config, optim, model_dir, dtype="bf16", total_steps=10, seed=0) for _ in range(2))
+    ref = TrainModel(hf_config, None, dtype="bf16", seed=0)
+    load_hf_weights(ref.chunks, model_dir)
+    watch = lambda: {"actor": footprint(actor), "ref_weights": host_offload.device_bytes(weights(ref))}  # noqa: E731
+    engine = WatchedEngine(watch, config=hf_config, tokenizer=None, device=device(), dtype=torch.bfloat16)
+    run = RunComponents(cfg=cfg, hf_config=hf_config, actor=actor, critic=None, ref=ref, engine=engine,
+                        worker=types.SimpleNamespace(policy_version=None), data=None, logger=None,
+                        timer=PhaseTimer(), dp_group=None, dp_rank=0, dp_size=1)
+    b = batch()
+    loss = nll(float(b.response_mask.sum()))
+    for m in (actor, twin):
+        m.train_step(b, loss)
+    res = {"trained": watch()}
+    run.sync_weights(1)
+    res["stream"], res["after_sync"] = engine.seen, watch()
+    with run.generation(release=True):
+        res["generation"] = watch()
+    res["after_generation"] = watch()
+    streamed = {n: t for bucket in stream_hf_weights(actor.modules, hf_config) for n, t in bucket}
+    engine.resume_memory()
+    mine = dict(engine.model.named_parameters())
+    res["engine_equal"] = all(torch.equal(mine[engine._param_key(n)].cpu(), t.cpu()) for n, t in streamed.items()
+                              if engine._param_key(n) is not None)
+    for m in (actor, twin):
+        m.train_step(b, loss)
+    res["twin_diff"] = float((logprobs(actor, b) - logprobs(twin, b)).abs().max())
+    return res
+
+
+def smoke_check(model_dir: str, hf_config) -> dict:
+    """tools/gpu_smoke.py's `offload_plain` check (tools/smoke/offload.py), here on the CPU model."""
+    from tools.smoke.offload import round_trip_check
+
+    optim = OptimConfig(lr=1e-2, weight_decay=0.0, clip_grad=1.0, max_tokens_per_microbatch=32,
+                        use_distributed_optimizer=False)
+    b = batch()
+    try:
+        detail = round_trip_check(
+            lambda: train_model(hf_config, optim, model_dir, dtype="bf16", total_steps=10, seed=0),
+            b, nll(float(b.response_mask.sum())))
+        return {"ok": True, "detail": detail}
+    except ValueError as e:
+        return {"ok": False, "detail": str(e)}
 
 
 def model_checks() -> dict:
@@ -134,13 +240,17 @@ def model_checks() -> dict:
 
 
 def main() -> None:
-    args = parse_args(cases=",".join(CASES))
+    args = parse_args(cases=",".join(CASES), sync="distributed_bf16,plain_bf16")
     model = str(args.root / "model")
     init_distributed(ParallelSizes(), seed=0, timeout_s=300)
     host_offload.enable()
     hf_config, _ = load_hf_config_and_tokenizer(model)
     res = {name: run_case(model, hf_config, *CASES[name]) for name in args.cases.split(",") if name}
     res["reference"] = reference_case(model, hf_config)
+    res["smoke_offload_plain"] = smoke_check(model, hf_config)
+    for name in args.sync.split(","):
+        if name:
+            res[f"sync_{name}"] = sync_case(model, hf_config, CASES[name][1])
     try:
         TrainModel(hf_config, OptimConfig(offload_optimizer=True), dtype="fp32")
         res["hybrid_fp32_refused"] = None

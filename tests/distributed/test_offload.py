@@ -1,11 +1,14 @@
 """TrainModel.offload / onload on CPU, under strict device mode with its host-offload model
 (megarl.parallel.host_offload), 2 gloo ranks: every optimizer setup the trainer offers.
 
-What this covers: the GPU <-> host moves as copies into new storage, the distributed optimizer's
-parameter shards as views of DDP's parameter buffer, megatron's HybridDeviceOptimizer (its CPU
-Adam and the copy of each update into those views), and which storage holds the weights while
-offloaded. What only a GPU covers (tools/gpu_smoke.py, check `offload`): real GPU memory freed,
-pinned-memory and non-blocking copies, and Transformer Engine's modules.
+What this covers: the GPU <-> host moves as copies into new storage, `.data` assigned across
+devices resetting a parameter's gradient accumulator (as torch does on a GPU: megatron DDP's grad
+hook is lost), the distributed optimizer's parameter shards as views of DDP's parameter buffer,
+megatron's HybridDeviceOptimizer (its CPU Adam and the copy of each update into those views),
+which storage holds the weights while offloaded, and the weight sync's two-stage offload (only
+the weights on the device while they stream). What only a GPU covers (tools/gpu_smoke.py, checks
+`offload` and `offload_plain`): real GPU memory freed, pinned-memory and non-blocking copies, and
+Transformer Engine's modules.
 """
 
 import pytest
@@ -69,3 +72,39 @@ def test_host_offload_model_copies_like_a_gpu(result):
     m = result["model"]
     assert m["cpu_is_host_copy"] and m["cuda_is_device_copy"] and m["pin_host_copy"] and m["pinned_factory_on_host"]
     assert "pin" in m["pin_device_error"]
+
+
+@pytest.mark.parametrize("case", ("plain_bf16", "plain_fp32", "distributed_bf16"))
+def test_round_trip_keeps_the_gradient_accumulators_ddp_hooked(result, case):
+    """On a GPU `p.data = p.data.cpu()` resets each parameter's gradient accumulator (torch's
+    set_data, modelled by host_offload): DDP's hook, which fills main_grad, is gone and the
+    optimizer steps on zero gradients. The storage moves in place instead."""
+    r = result[case]
+    assert r["accumulators_kept"] == [True, True, True], r
+    assert all(g > 1e-6 for g in r["main_grad_norm"]), r["main_grad_norm"]
+
+
+@pytest.mark.parametrize("case", ("sync_distributed_bf16", "sync_plain_bf16"))
+def test_weight_sync_streams_with_only_the_weights_on_the_device(result, case):
+    """rollout.offload_train_state: gradients and optimizer state leave before the engine's
+    weights come back (the reference model entirely); the weights leave for generation; all of
+    it returns for training, which goes on as if nothing had moved."""
+    r = result[case]
+    trained = r["trained"]["actor"]
+    assert trained["weights"] > 0 and trained["grads"] > 0 and trained["optimizer"] > 0, r
+    assert r["trained"]["ref_weights"] > 0
+    assert r["stream"], r  # the engine saw the stream
+    for seen in r["stream"] + [r["after_sync"]]:
+        assert seen["actor"] == {"weights": trained["weights"], "grads": 0, "optimizer": 0}, seen
+        assert seen["ref_weights"] == 0, seen
+    assert r["generation"] == {"actor": {"weights": 0, "grads": 0, "optimizer": 0}, "ref_weights": 0}
+    assert r["after_generation"] == r["trained"]
+    assert r["engine_equal"]
+    assert r["twin_diff"] < 1e-6, r["twin_diff"]
+
+
+def test_gpu_smoke_offload_plain_check_passes_on_the_cpu_model(result):
+    """tools/gpu_smoke.py's offload_plain check (tools/smoke/offload.py), run here on the CPU model."""
+    r = result["smoke_offload_plain"]
+    assert r["ok"], r["detail"]
+    assert "accumulators kept" in r["detail"] and "state" in r["detail"], r["detail"]

@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 
 REPO = Path(__file__).resolve().parents[2]
 CPU_CHECKS = {"imports", "logits_local", "train_local", "attn_kernels"}
-GPU_CHECKS = {"logits_te", "train_te", "offload", "nccl", "sglang", "fp8", "cp2", "attn_cp2"}
+GPU_CHECKS = {"logits_te", "train_te", "offload", "offload_plain", "nccl", "sglang", "fp8", "cp2", "attn_cp2"}
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
                                 reason="CPU expectations (on a GPU node run tools/gpu_smoke.py itself)")
@@ -78,7 +78,7 @@ def test_bench_train_tiny_on_cpu(tmp_path):
     proc = _run(["-m", "tools.bench.train", "--shape", "tiny", "--seq", "128", "--steps", "1",
                  "--json", str(out)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    line = re.search(r"^bench impl=local attn=auto shape=tiny seq=128 .*$", proc.stdout, flags=re.M)
+    line = re.search(r"^bench impl=local attn=auto precision=bf16 shape=tiny seq=128 .*$", proc.stdout, flags=re.M)
     assert line, proc.stdout
     tokens_per_s = float(re.search(r"tokens_per_s=([0-9.]+)", line.group(0)).group(1))
     assert tokens_per_s > 0
@@ -120,6 +120,6 @@ def test_gpu_report_table(tmp_path):
     text = buf.getvalue()
     assert "GPU session: GPU 0: NVIDIA H200" in text
     assert "| smoke `attn_cp2` | PASS | varlen_cp_out 0.004 |" in text
-    assert "| bench 1.5b local/auto 4096 tok x 4 mb | MFU 35.1% | step 0.500 s, 32,768 tok/s, 347 TFLOP/s" in text
-    assert "| bench 3b local/auto 16384 tok x 2 mb | OOM | |" in text
+    assert "| bench 1.5b local/auto bf16 4096 tok x 4 mb | MFU 35.1% | step 0.500 s, 32,768 tok/s, 347 TFLOP/s" in text
+    assert "| bench 3b local/auto bf16 16384 tok x 2 mb | OOM | |" in text
     assert "after SFT 0.175, after RL 0.81 | wall 101.0 s |" in text

@@ -317,6 +317,13 @@ def test_server_args_from_config():
         load_config(None, base + ["rollout.sglang_context_length=31023"])
     with pytest.raises(ConfigError, match=r"rollout\.sglang_chunked_prefill_size"):
         load_config(None, ["rollout.sglang_chunked_prefill_size=0"])
+    # further ServerArgs fields pass through; those megarl sets are refused, naming the field to use
+    extra = load_config(None, base + ["rollout.sglang_server_args={attention_backend: triton, disable_cuda_graph: true}"])
+    assert server_args(extra) == {"attention_backend": "triton", "disable_cuda_graph": True, "tp_size": 4,
+                                  "mem_fraction_static": 0.7, "context_length": 1024 + 32768}
+    with pytest.raises(ConfigError, match=r"rollout\.sglang_server_args.*megarl sets mem_fraction_static "
+                                          r"\(rollout\.mem_fraction\), tp_size \(parallel\.rollout_tp\) itself"):
+        load_config(None, ["rollout.sglang_server_args={tp_size: 2, mem_fraction_static: 0.5, log_level: info}"])
 
 
 def test_context_length_from_config_reaches_sglang_and_caps_generation(tiny_checkpoint):
@@ -339,7 +346,7 @@ def test_build_engine_passes_the_server_args(tiny_checkpoint, tmp_path_factory, 
     monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=_StandInEngine, __version__="0.5.23"))
     cfg = load_config(None, ["rollout.engine=sglang", f"model.hf_path={tiny_checkpoint}", "data.max_prompt_len=8",
                              "rollout.max_new_tokens=12", "rollout.sglang_chunked_prefill_size=16",
-                             "rollout.mem_fraction=0.5"])
+                             "rollout.mem_fraction=0.5", "rollout.sglang_server_args={attention_backend: triton}"])
     owned = not dist.is_initialized()
     if owned:
         init = tmp_path_factory.mktemp("dist") / "init"
@@ -350,7 +357,8 @@ def test_build_engine_passes_the_server_args(tiny_checkpoint, tmp_path_factory, 
         if owned:
             dist.destroy_process_group()
     assert isinstance(engine, SGLangEngine) and not engine.started
-    expected = {"tp_size": 1, "mem_fraction_static": 0.5, "context_length": 8 + 20480, "chunked_prefill_size": 16}
+    expected = {"tp_size": 1, "mem_fraction_static": 0.5, "context_length": 8 + 20480, "chunked_prefill_size": 16,
+                "attention_backend": "triton"}
     assert {k: engine.engine_kwargs[k] for k in expected} == expected  # eval.max_new_tokens (20480) is the larger cap
     assert engine.max_context == 8 + 20480
 

@@ -116,6 +116,7 @@ def test_with_last_flag_and_versions():
     assert list(with_last_flag(iter("abc"))) == [("a", False), ("b", False), ("c", True)]
     assert version_tuple("0.5.23.post1") == (0, 5, 23) and version_tuple("0.5.21rc1") == (0, 5, 21)
     assert not needs_weight_update_session("0.5.20") and needs_weight_update_session("0.5.21")
+    assert not needs_weight_update_session("0.5.17")  # the GPU bundle (../shared/gpu/sglang): no session calls
     assert needs_weight_update_session("0.6.0")
     with pytest.raises(ValueError, match="cannot parse"):
         version_tuple("dev")
@@ -172,7 +173,8 @@ def test_engine_launch_env_hides_the_agent_store_and_restores_the_trainer_env():
     environ = {"TORCHELASTIC_USE_AGENT_STORE": "True", "CUDA_DEVICE_MAX_CONNECTIONS": "1", "RANK": "3"}
     with engine_launch_env(environ) as env:
         assert "TORCHELASTIC_USE_AGENT_STORE" not in env and env["RANK"] == "3"
-        env.update(CUDA_DEVICE_MAX_CONNECTIONS="8", NCCL_CUMEM_ENABLE="0", SGLANG_RUN_ID="x")
+        env.update(CUDA_DEVICE_MAX_CONNECTIONS="8", NCCL_CUMEM_ENABLE="0", SGLANG_RUN_ID="x",
+                   CUDA_MODULE_LOADING="AUTO")  # SGLang 0.5.17 sets it too
     assert environ == {"TORCHELASTIC_USE_AGENT_STORE": "True", "CUDA_DEVICE_MAX_CONNECTIONS": "1",
                        "RANK": "3", "SGLANG_RUN_ID": "x"}
     with pytest.raises(KeyError):

@@ -1,75 +1,57 @@
 #!/usr/bin/env bash
-# The checks for one lent GPU (a single device, minutes of time), in one call, then one table.
+# The checks for one lent GPU (one H100 / H200) in one call, then one table: tools/bench/gpu_session.py.
 #
-#   bash tools/bench/gpu_session.sh                    # smoke bench quickstart (under 9 minutes on an H200)
-#   bash tools/bench/gpu_session.sh bench long         # the training benchmark, then the long-context one
+#   bash tools/bench/gpu_session.sh --wheels .whl                    # every step that fits --budget
+#   bash tools/bench/gpu_session.sh --wheels .whl --budget 270 rl_sglang sglang_smoke weight_sync
 #
-# smoke       tools/gpu_smoke.py on one GPU: logits vs HF, train step, offload/onload, the local
-#             attention's varlen kernel vs blockwise (CP=1 and CP=2 emulated), NCCL.
-# bench       tools/bench/train.py, local spec, bf16: Qwen2.5 0.5b / 1.5b / 3b shapes at 4k and 16k
-#             tokens per micro-batch (varlen attention; 0.5b also blockwise at 4k), a kernel profile
-#             of the 1.5b steps.
-# long        tools/bench/long_context.py (one 16k / 32k sequence, CP=1).
-# quickstart  the DAPO quickstart end to end on one GPU (SFT, evals, 10 RL steps; NCCL, fp32).
-# Logs and JSON go to $OUT (default ./gpu_out); the last thing printed is tools/bench/gpu_report.py's table.
-# Wheels in .whl/ (megatron-core and megarl's pure-Python needs missing from the machine's image)
-# are installed to /tmp/site first.
+# --wheels DIR  wheels to install first (python -m tools.bench.gpu_wheels assembles DIR here: TE 2.11,
+#               megatron-core 0.16.1, SGLang 0.5.17, torch-memory-saver, megarl's math reward; carry it),
+#               with pip --no-index --no-deps --target /tmp/site, plus DIR/stubs/IPython where IPython is missing
+# --budget S    seconds from now (the install included) after which no step starts; default 420
+# steps         step or phase names (python -m tools.bench.gpu_session --help); none: all, in priority order
+# $OUT (default ./gpu_out) gets report.md, session.json and logs.tgz; the table is printed last.
 set -u
-OUT=${OUT:-gpu_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-PY=${PYTHON:-python3}
-if [ -d .whl ] && ! $PY -c "import megatron.core" 2>/dev/null; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        || exit 1
-    export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
-$PY -c "import torch, transformers, megatron.core as m; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(),
-'transformers', transformers.__version__, 'megatron-core', m.__version__)" | tee "$OUT/versions.txt"
-if command -v nvidia-smi >/dev/null; then nvidia-smi -L | tee "$OUT/device.txt"; fi
-[ $# -gt 0 ] || set -- smoke bench quickstart
-
-bench() {  # bench SHAPE SECONDS ARGS...: one bench_train run, its rows in $OUT/bench_SHAPE*.json
-    local shape=$1 limit=$2 tag=$1
-    shift 2
-    case "$*" in *blockwise*) tag=$shape-blockwise ;; esac
-    timeout "$limit" $PY -m tools.bench.train --shape "$shape" --impl local --steps 2 --json "$OUT/bench_$tag.json" "$@" \
-        2>&1 | grep -v -i warn | tee "$OUT/bench_$tag.log"
-    return "${PIPESTATUS[0]}"
-}
-
-rc=0
-for what in "$@"; do
-    start=$SECONDS
-    case $what in
-    smoke)
-        timeout 130 $PY -m tools.gpu_smoke --skip sglang,fp8,logits_te,train_te,cp2 --json "$OUT/smoke.json" --verbose \
-            2>&1 | tee "$OUT/smoke.log"
-        status=${PIPESTATUS[0]}
-        ;;
-    bench)
-        status=0
-        bench 1.5b 110 --seq 4096,16384 --microbatches 4 --profile 25 || status=1
-        bench 0.5b 60 --seq 4096,16384 --microbatches 4 || status=1
-        bench 3b 90 --seq 4096,16384 --microbatches 2 || status=1
-        bench 0.5b 45 --seq 4096 --microbatches 4 --attn blockwise || status=1
-        ;;
-    long)
-        timeout 60 $PY -m tools.bench.long_context --lengths 16384 32768 --cp 1 2>&1 | grep -v -i warn \
-            | tee "$OUT/long_context.log"
-        status=${PIPESTATUS[0]}
-        ;;
-    quickstart)
-        rm -rf /tmp/qs_gpu
-        timeout 140 $PY -m megarl.cli quickstart --nproc 1 parallel.tp=1 trainer.total_steps=10 \
-            trainer.eval_interval=10 trainer.save_interval=10 trainer.run_dir=/tmp/qs_gpu 2>&1 | tee "$OUT/quickstart.log"
-        status=${PIPESTATUS[0]}
-        cp /tmp/qs_gpu/metrics.jsonl "$OUT/quickstart_metrics.jsonl" 2>/dev/null
-        ;;
-    *) echo "unknown check: $what"; exit 2 ;;
+t0=$(date +%s)
+WHEELS=.whl
+BUDGET=420
+args=()
+while [ $# -gt 0 ]; do
+    case $1 in
+    --wheels) WHEELS=$2; shift 2 ;;
+    --budget) BUDGET=$2; shift 2 ;;
+    *) args+=("$1"); shift ;;
     esac
-    echo "== $what: exit $status in $((SECONDS - start)) s"
-    [ "$status" = 0 ] || rc=1
 done
-$PY -m tools.bench.gpu_report "$OUT" | tee "$OUT/report.md"
-exit $rc
+OUT=${OUT:-gpu_out}
+WORK=/tmp/gpu_session
+mkdir -p "$OUT" "$WORK"
+PY=${PYTHON:-python3}
+# the SGLang bundle has no flashinfer; its JIT kernels (nvcc, triton) are cached for every step
+export PYTHONUNBUFFERED=1 NCCL_CUMEM_ENABLE=0 SGLANG_IS_FLASHINFER_AVAILABLE=false \
+    TVM_FFI_CACHE_DIR=/tmp/sgl-cache/tvm-ffi TRITON_CACHE_DIR=/tmp/sgl-cache/triton
+if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+    if ! $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            "$WHEELS"/*.whl >"$WORK/pip.log" 2>&1; then
+        tail -n 20 "$WORK/pip.log"; exit 1
+    fi
+    if ! $PY -c "import IPython" 2>/dev/null && [ -d "$WHEELS/stubs/IPython" ]; then
+        cp -r "$WHEELS/stubs/IPython" /tmp/site/   # sglang/utils.py imports IPython.display only
+    fi
+    echo "installed $(ls "$WHEELS"/*.whl | wc -l) wheels from $WHEELS in $(( $(date +%s) - t0 )) s"
+fi
+export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+$PY - <<'EOF' 2>&1 | tee "$WORK/versions.txt"
+import importlib.metadata as m
+names = ["torch", "transformers", "megatron-core", "transformer-engine", "transformer-engine-torch", "sglang",
+         "sglang-kernel", "torch-memory-saver", "triton"]
+def version(n):
+    try:
+        return m.version(n)
+    except m.PackageNotFoundError:
+        return "-"
+import torch
+print(", ".join(f"{n} {version(n)}" for n in names) + f"; CUDA {torch.version.cuda}")
+EOF
+if command -v nvidia-smi >/dev/null; then nvidia-smi -L | tee "$WORK/device.txt"; fi
+exec $PY -m tools.bench.gpu_session --out "$OUT" --work "$WORK" --deadline $((t0 + BUDGET)) --wheels "$WHEELS" \
+    ${args[@]+"${args[@]}"}

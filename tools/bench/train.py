@@ -4,6 +4,7 @@
     python -m tools.bench.train --shape 3b --seq 16384 --impl te --recompute selective
     torchrun --nproc-per-node 8 -m tools.bench.train --shape 1.5b --tp 2
     python -m tools.bench.train --shape tiny --seq 256       # CPU: runs, MFU n/a
+    python -m tools.bench.train --shape 1.5b --impl te --fp8 none,tensorwise   # TE bf16 and FP8 rows
 
 What is timed (per configuration: layer implementation x tokens per micro-batch):
 - `step`: one actor update exactly as the RL loop runs it: `TrainModel.train_step` (megatron
@@ -35,13 +36,18 @@ layer, backward twice that): the PaLM / Megatron-LM convention, without a causal
 kernels compute about half of it under the causal mask). Activation recomputation is not counted.
 A step's FLOPs are summed over its micro-batches.
 
+FP8 rows (`--fp8 RECIPE`, TE spec only: `fp8="hybrid"` with that `fp8_recipe`) count the same
+model FLOPs F against the same bf16 peak: their MFU is bf16-equivalent (an FP8 GEMM's own peak is
+twice the bf16 one), so FP8 MFU / bf16 MFU = the FP8 speed-up.
+
 MFU = F / (step seconds * tp) / peak, peak = dense bf16 tensor-core FLOP/s of the GPU:
 H100 SXM / H200 / H800 / GH200 989 TFLOP/s, H100 NVL 835, H100 PCIe 756, A100 / A800 312,
 L40S 362, B200 2250 (`--peak-tflops` overrides; unknown GPUs and CPU give MFU n/a).
 tokens/s is per GPU: N per step / step seconds / tp (each DP rank trains its own batch).
 
 Prints a table and one line per configuration:
-`bench impl=<local|te> shape=<s> seq=<tokens> ... tokens_per_s=<float> mfu=<float|n/a> peak_mem_gib=<float|n/a>`;
+`bench impl=<local|te> attn=<kernel> precision=<bf16|fp8 recipe> shape=<s> seq=<tokens> ... tokens_per_s=<float>
+mfu=<float|n/a> peak_mem_gib=<float|n/a>`;
 a configuration that runs out of GPU memory is reported as OOM and the next one runs.
 """
 
@@ -134,10 +140,12 @@ class Row:
     logprob_mfu: float | None = None
     peak_mem_gib: float | None = None
     static_mem_gib: float | None = None
+    precision: str = "bf16"  # bf16, or the FP8 recipe (TE spec)
 
     def line(self) -> str:
         f = lambda x, fmt: "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
-        return (f"bench impl={self.impl} attn={self.attn} shape={self.shape} seq={self.seq} sample_len={self.sample_len} "
+        return (f"bench impl={self.impl} attn={self.attn} precision={self.precision} shape={self.shape} seq={self.seq} "
+                f"sample_len={self.sample_len} "
                 f"microbatches={self.microbatches} status={self.status.split(':')[0]} "
                 f"step_s={f(self.step_s, '.4f')} tokens_per_s={f(self.tokens_per_s, '.1f')} "
                 f"tflops={f(self.tflops, '.2f')} mfu={f(self.mfu, '.4f')} "
@@ -176,12 +184,38 @@ def rl_config(sample_len: int):
     return cfg
 
 
-def model_options(recompute: str | None) -> dict | None:
+def model_options(recompute: str | None, fp8: str = "bf16", extra: dict | None = None) -> dict | None:
+    """TransformerConfig overrides: recomputation, FP8 (hybrid format, `fp8` the recipe) and `extra`
+    (--model-option KEY=VALUE, e.g. a CUDA-graph setting to try)."""
+    out: dict = {}
     if recompute == "selective":
-        return {"recompute_granularity": "selective"}
-    if recompute == "full":
-        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
-    return None
+        out["recompute_granularity"] = "selective"
+    elif recompute == "full":
+        out.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if fp8 != "bf16":
+        out.update(fp8="hybrid", fp8_recipe=fp8)
+    out.update(extra or {})
+    return out or None
+
+
+def parse_options(items: list[str] | None) -> dict:
+    """KEY=VALUE strings -> TransformerConfig overrides; VALUE parsed as JSON when it is JSON."""
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--model-option {item!r}: expected KEY=VALUE")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def configurations(impls: list[str], attns: list[str], precisions: list[str], seqs: list[int]) -> list[tuple]:
+    """(impl, attn, precision, seq) rows to run: attention kernels are the local spec's, FP8 the TE spec's."""
+    return [(i, a, p, s) for i in impls for a in (attns if i == "local" else ["auto"])
+            for p in (precisions if i == "te" else ["bf16"]) for s in seqs]
 
 
 def sync() -> None:
@@ -202,14 +236,14 @@ def timed(fn, warmup: int, steps: int) -> float:
     return (time.perf_counter() - t0) / max(1, steps)
 
 
-def bench_one(args, impl: str, attn: str, seq: int, peak: float | None) -> Row:
+def bench_one(args, impl: str, attn: str, seq: int, peak: float | None, precision: str = "bf16") -> Row:
     from megarl.models.attention_kernels import forced_kernel
 
     with forced_kernel(attn):
-        return _bench_one(args, impl, attn, seq, peak)
+        return _bench_one(args, impl, attn, seq, peak, precision)
 
 
-def _bench_one(args, impl: str, attn: str, seq: int, peak: float | None) -> Row:
+def _bench_one(args, impl: str, attn: str, seq: int, peak: float | None, precision: str = "bf16") -> Row:
     import torch
     from megatron.core import parallel_state as ps
 
@@ -219,14 +253,15 @@ def _bench_one(args, impl: str, attn: str, seq: int, peak: float | None) -> Row:
 
     cuda = torch.cuda.is_available()
     sample_len = min(seq, args.sample_len) if args.sample_len > 0 else seq
-    row = Row(impl=impl, attn=attn, shape=args.shape, seq=seq, sample_len=sample_len, microbatches=args.microbatches)
+    row = Row(impl=impl, attn=attn, shape=args.shape, seq=seq, sample_len=sample_len, microbatches=args.microbatches,
+              precision=precision)
     cfg = hf_config(args.shape, sample_len)
     rl_cfg = rl_config(sample_len)
     te = impl == "te"
     optim = OptimConfig(lr=1e-6, max_tokens_per_microbatch=seq, use_distributed_optimizer=True)
     model = TrainModel(cfg, optim, dtype="bf16" if cuda else "fp32",
                        impl="transformer_engine" if te else "local", total_steps=1, seed=0,
-                       model_options=model_options(args.recompute))
+                       model_options=model_options(args.recompute, precision, parse_options(args.model_option)))
     if cuda:
         sync()
         row.static_mem_gib = torch.cuda.memory_allocated() / 2**30
@@ -320,11 +355,11 @@ def report(rows: list[Row], header: str) -> None:
 
         na = lambda x, fmt: "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
         table = Table(title=header)
-        for col in ("impl", "attn", "seq", "sample", "status", "step s", "tok/s/GPU", "TFLOP/s", "MFU",
+        for col in ("impl", "attn", "prec", "seq", "sample", "status", "step s", "tok/s/GPU", "TFLOP/s", "MFU",
                     "logprob tok/s", "logprob MFU", "peak GiB", "static GiB"):
             table.add_column(col, overflow="fold")
         for r in rows:
-            table.add_row(r.impl, r.attn, str(r.seq), str(r.sample_len), r.status, na(r.step_s, ".3f"),
+            table.add_row(r.impl, r.attn, r.precision, str(r.seq), str(r.sample_len), r.status, na(r.step_s, ".3f"),
                           na(r.tokens_per_s, ",.0f"), na(r.tflops, ".1f"), na(r.mfu, ".1%"),
                           na(r.logprob_tokens_per_s, ",.0f"), na(r.logprob_mfu, ".1%"),
                           na(r.peak_mem_gib, ".1f"), na(r.static_mem_gib, ".1f"))
@@ -352,6 +387,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--recompute", choices=["selective", "full"], default=None,
                    help="activation recomputation (megatron recompute_granularity)")
     p.add_argument("--peak-tflops", type=float, default=None, help="override the GPU's peak TFLOP/s")
+    p.add_argument("--fp8", default="none", help="precisions of the TE rows, comma-separated: none (bf16) or FP8 "
+                   "recipes (delayed, tensorwise, blockwise, mxfp8)")
+    p.add_argument("--model-option", action="append", help="TransformerConfig override KEY=VALUE (repeatable)")
     p.add_argument("--json", default=None, help="write the rows to this file")
     return p.parse_args(argv)
 
@@ -378,21 +416,23 @@ def main(argv: list[str] | None = None) -> int:
     te_ok, te_why = te_usable()
     rows: list[Row] = []
     failed = False
-    for impl, attn, seq in [(i, a, s) for i in impls for a in (attns if i == "local" else ["auto"]) for s in seqs]:
+    precisions = ["bf16" if x.strip() in ("none", "bf16") else x.strip() for x in args.fp8.split(",") if x.strip()]
+    for impl, attn, precision, seq in configurations(impls, attns, precisions, seqs):
         sample_len = min(seq, args.sample_len) if args.sample_len > 0 else seq
+        blank = lambda status: Row(impl, attn, args.shape, seq, sample_len, args.microbatches, status=status,  # noqa: E731
+                                   precision=precision)
         if impl == "te" and not te_ok:
-            rows.append(Row(impl, attn, args.shape, seq, sample_len, args.microbatches, status=f"skipped: {te_why}"))
+            rows.append(blank(f"skipped: {te_why}"))
             continue
         try:
-            rows.append(bench_one(args, impl, attn, seq, peak))
+            rows.append(bench_one(args, impl, attn, seq, peak, precision))
         except torch.cuda.OutOfMemoryError:
-            rows.append(Row(impl, attn, args.shape, seq, sample_len, args.microbatches, status="OOM"))
+            rows.append(blank("OOM"))
         except Exception as err:  # noqa: BLE001 - reported, the next configuration runs
             failed = True
             if rank == 0:
                 traceback.print_exc(file=sys.stderr)
-            rows.append(Row(impl, attn, args.shape, seq, sample_len, args.microbatches,
-                            status=f"error: {type(err).__name__}: {err}"))
+            rows.append(blank(f"error: {type(err).__name__}: {err}"))
         if rank == 0:
             print(f"bench_train row: {rows[-1].line()}", flush=True)
         free()
@@ -400,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     size = f"{n_params / 1e9:.3f} B" if n_params >= 1e9 else f"{n_params / 1e6:.2f} M"
     header = (f"bench_train: {args.shape} ({size} matmul params), "
               f"world {dist.get_world_size()} (tp {args.tp}), {'bf16' if torch.cuda.is_available() else 'fp32 cpu'}, "
-              f"peak {peak_desc}, recompute {args.recompute or 'none'}")
+              f"peak {peak_desc} (FP8 rows: the same FLOPs against it), recompute {args.recompute or 'none'}")
     if rank == 0:
         report(rows, header)
         if args.json:

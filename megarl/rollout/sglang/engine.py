@@ -38,9 +38,10 @@ group a timeout longer than the longest generation (`megarl.trainer.build.engine
   `resume_memory_occupation(tags=...)` on the regions "kv_cache", "weights", "cuda_graph" (None:
   all), sending only the regions whose state changes (needs `enable_memory_saver=True`, which
   this class sets). After a resume of "weights" the weights are garbage unless
-  `enable_weights_cpu_backup=True`: stream weights before the next generate. Colocated order:
-  resume_memory(["weights"]) + update_weights with the training state on the GPU, then offload
-  the training state and resume_memory() for generation, then release_memory().
+  `enable_weights_cpu_backup=True`: stream weights before the next generate. Colocated order
+  (megarl.trainer.components): gradients and optimizer state off the GPU, resume_memory(["weights"])
+  + update_weights from the trainer's weights, then the weights off and resume_memory() for
+  generation, then release_memory() before the training state returns.
 
 Semantics match the builtin engine (finish reasons, T-PPO window, FIRE as two generate calls,
 `text` decoded from the response ids with skip_special_tokens=True). Differences: stop strings are

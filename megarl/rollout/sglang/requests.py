@@ -275,7 +275,8 @@ def server_args(cfg: Any) -> dict[str, Any]:
     (the longest request the engine serves; generation budgets are capped by it, and SGLang
     refuses a context_length above the model's max_position_embeddings unless the environment
     sets SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1), chunked_prefill_size =
-    rollout.sglang_chunked_prefill_size, left out when null so SGLang picks its GPU-dependent default.
+    rollout.sglang_chunked_prefill_size, left out when null so SGLang picks its GPU-dependent default,
+    and rollout.sglang_server_args (any other ServerArgs field; the config refuses the ones above).
     """
     r = cfg.rollout
     context = r.sglang_context_length or cfg.data.max_prompt_len + max(r.max_new_tokens, cfg.eval.max_new_tokens)
@@ -283,14 +284,15 @@ def server_args(cfg: Any) -> dict[str, Any]:
                             "context_length": int(context)}
     if r.sglang_chunked_prefill_size is not None:
         args["chunked_prefill_size"] = int(r.sglang_chunked_prefill_size)
-    return args
+    return {**dict(r.sglang_server_args), **args}
 
 
 # srt/constants.py GPU_MEMORY_ALL_TYPES: the regions release/resume_memory_occupation take as tags
 MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
-# what Engine() rewrites in the calling process (srt/entrypoints/engine.py _set_envs_and_config)
-ENGINE_REWRITTEN_ENV = ("CUDA_DEVICE_MAX_CONNECTIONS", "NCCL_CUMEM_ENABLE", "NCCL_NVLS_ENABLE")
+# what Engine() rewrites in the calling process (srt/entrypoints/engine.py _set_envs_and_config; 0.5.17
+# also sets CUDA_MODULE_LOADING, 0.5.23 no longer does)
+ENGINE_REWRITTEN_ENV = ("CUDA_DEVICE_MAX_CONNECTIONS", "NCCL_CUMEM_ENABLE", "NCCL_NVLS_ENABLE", "CUDA_MODULE_LOADING")
 
 
 def memory_tags(tags: Iterable[str] | None) -> list[str]:
