@@ -184,6 +184,12 @@ class RolloutConfig:
     offload_train_state: bool = doc_field(
         True, "colocated: move actor/critic/ref weights, grads and optimizer state off the GPU during rollout"
     )
+    sync_from_host: bool = doc_field(
+        False, "the weight sync streams the actor's weights from host memory (they leave the GPU with the rest of "
+        "the training state before the engine's weights come back; each bucket is copied in): the sync needs "
+        "only the engine's weights + the stream's buffers on the GPU; for models whose trainer and engine "
+        "weights do not fit a GPU together (Kimi-K2). Needs offload_train_state"
+    )
     gen_batch_prompts: int | None = doc_field(None, "prompts generated per round; null = prompts_per_step (DAPO: 3x)")
     max_gen_batches: int = doc_field(10, "dynamic sampling: generation rounds before giving up with an error")
     carry_over_groups: bool = doc_field(

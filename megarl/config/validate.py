@@ -88,6 +88,8 @@ def validate_config(cfg: MegaRLConfig, where: Callable[[str], str] | None = None
     e.check(r.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {r.max_new_tokens}")
     e.check(0 < r.mem_fraction < 1, "rollout.mem_fraction", f"must be in (0, 1), got {r.mem_fraction}")
     e.check(r.weight_bucket_mb >= 1, "rollout.weight_bucket_mb", f"must be >= 1, got {r.weight_bucket_mb}")
+    e.check(not r.sync_from_host or r.offload_train_state, "rollout.sync_from_host",
+            "streams the weights from where rollout.offload_train_state puts them: set that true too")
     e.check(not r.fire or (r.fire_temperature > 0 and r.fire_top_k >= 1), "rollout.fire_top_k", "FIRE needs fire_temperature > 0 and fire_top_k >= 1")
     e.check(r.function is None or is_dotted_path(r.function), "rollout.function",
             f"must be 'package.module:function' or null, got {r.function!r}")

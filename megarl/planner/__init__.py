@@ -49,8 +49,8 @@ Vision-language models (qwen2_5_vl, qwen3_vl, qwen3_vl_moe; the LM's fields from
              when rollout.offload_train_state is true.
   reserve    --reserve-gib (CUDA contexts of trainer and engine, NCCL buffers, fragmentation).
 Phases: sync = the actor's weights (with rollout.offload_train_state the gradients, optimizer
-        state and the other models leave the GPU before the engine's weights come back; else all
-        resident states) + the engine's weights + the stream's buffers (`memory.stream_transient_bytes`
+        state and the other models leave the GPU before the engine's weights come back, and with
+        rollout.sync_from_host the actor's weights too; else all resident states) + the engine's weights + the stream's buffers (`memory.stream_transient_bytes`
         of a rollout.weight_bucket_mb bucket, + one more bucket for SGLang's flattened copy) + reserve;
         rollout = resident training state + engine share + reserve;
         train   = all resident model states + the larger of actor / critic activations + reserve

@@ -73,12 +73,45 @@ def format_plan(cfg: MegaRLConfig, pl: Plan, arch_src: str) -> str:
     return "\n".join(lines)
 
 
+def shipped(configs: str = "configs") -> list[tuple[str, str]]:
+    """(recipe, layout) of every shipped layout with every recipe of its model."""
+    import glob
+
+    out = []
+    for layout in sorted(glob.glob(os.path.join(configs, "layouts", "*", "*node*.yaml"))):
+        model = os.path.basename(os.path.dirname(layout))
+        out += [(recipe, layout) for recipe in sorted(glob.glob(os.path.join(configs, "recipes", model, "*.yaml")))]
+    return out
+
+
+def plan_table(gpus: list[str], configs: str = "configs") -> str:
+    """A markdown table of every shipped recipe x layout x GPU: the three phase peaks, the step
+    time, the rollout data per rank, and what does not fit."""
+    g = lambda b: f"{b / GIB:.1f}"  # noqa: E731
+    rows = ["| recipe + layout | GPU | rollout / sync / train peak (GiB) | step | rollout data per rank: received, "
+            "host peak | fits |", "| --- | --- | --- | --- | --- | --- |"]
+    for recipe, layout in shipped(configs):
+        cfg = load_config([recipe, layout])
+        arch, hf, _ = load_arch(cfg)
+        for gpu in gpus:
+            pl = plan(cfg, arch, hf, GPUS[gpu])
+            rd = pl.rollout_data
+            name = f"`{os.path.relpath(layout, os.path.join(configs, 'layouts')).removesuffix('.yaml')}` + " \
+                   f"`{os.path.basename(recipe).removesuffix('.yaml')}`"
+            why = "yes" if pl.fits else "no: " + "; ".join(p.split(";")[0] for p in pl.problems)
+            rows.append(f"| {name} | {gpu} | {g(pl.rollout_peak)} / {g(pl.sync_peak)} / {g(pl.train_peak)} | "
+                        f"{pl.time['step_s'] / 60:.0f} min | {g(rd['received'])} GiB, {g(rd['host_peak'])} GiB | {why} |")
+    return "\n".join(rows)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="megarl plan", description="Plan a megarl run: per-GPU memory in the rollout and train phases, and a step-time estimate.")
-    ap.add_argument("--recipe", required=True, help="recipe YAML")
+    ap.add_argument("--table", action="store_true",
+                    help="print a markdown table of every shipped recipe x layout on --gpu (h100,h200 with 'all')")
+    ap.add_argument("--recipe", help="recipe YAML (required unless --table)")
     ap.add_argument("--layout", action="append", default=[], help="layout YAML composed after the recipe")
     ap.add_argument("--nodes", type=int, help="override parallel.nodes")
-    ap.add_argument("--gpu", choices=sorted(GPUS), default="h100")
+    ap.add_argument("--gpu", choices=sorted(GPUS) + ["all"], default="h100")
     ap.add_argument("--model-json", help="HF config.json of the model (default: hf_path or configs/models/<name>.json)")
     ap.add_argument("--reserve-gib", type=float, default=6.0, help="per-GPU reserve for contexts, NCCL, fragmentation")
     ap.add_argument("--mfu", type=float, default=0.4, help="training model-FLOPs utilisation")
@@ -101,7 +134,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:  # noqa: D103
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.table:
+        print(plan_table(sorted(GPUS) if args.gpu == "all" else [args.gpu]))
+        return 0
+    if not args.recipe:
+        ap.error("--recipe is required (or --table)")
+    if args.gpu == "all":
+        ap.error("--gpu all goes with --table")
     overrides = list(args.overrides) + ([f"parallel.nodes={args.nodes}"] if args.nodes else [])
     try:
         cfg = load_config([args.recipe, *args.layout], overrides)

@@ -124,15 +124,16 @@ def plan(cfg: MegaRLConfig, arch: Arch, hf: dict, gpu: GPU, reserve_gib: float =
                         f"+ reserve {reserve / GIB:.1f}); lower rollout.mem_fraction or offload the training state")
 
     # sync phase: the actor's weights stream into the engine's weights (taken back before the stream)
-    sync_resident = states[0].weights if r.offload_train_state else sum(s.resident for s in states)
+    sync_resident = (0.0 if r.sync_from_host else states[0].weights) if r.offload_train_state else \
+        sum(s.resident for s in states)
     sync_stream = stream_transient_bytes(r.weight_bucket_mb * 2**20, p.tp, p.pp) + (
         r.weight_bucket_mb * 2**20 if r.engine == "sglang" else 0.0)  # SGLang flattens each bucket once more
     sync_peak = sync_resident + engine_weights + sync_stream + reserve
     if sync_peak > cap:
         problems.append(f"weight sync needs {sync_peak / GIB:.1f} GiB > {cap / GIB:.1f} GiB (training state kept "
                         f"{sync_resident / GIB:.1f} + engine weights {engine_weights / GIB:.1f} + stream buffers "
-                        f"{sync_stream / GIB:.1f} + reserve {reserve / GIB:.1f}); lower rollout.weight_bucket_mb, "
-                        "set rollout.offload_train_state=true, or raise parallel.rollout_tp")
+                        f"{sync_stream / GIB:.1f} + reserve {reserve / GIB:.1f}); set rollout.sync_from_host=true "
+                        "(and rollout.offload_train_state=true), lower rollout.weight_bucket_mb, or raise parallel.rollout_tp")
 
     # train phase: all model states resident, activations of the model being trained
     resident = sum(s.resident for s in states)

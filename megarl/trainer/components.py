@@ -99,16 +99,19 @@ class RunComponents:
         then generates for policy `version`. With rollout.offload_train_state the gradients and
         optimizer state leave the GPU first (and the other models entirely): the sync's peak is
         the trainer's weights + the engine's + one bucket. What is off stays off until
-        `generation` moves the rest and brings everything back for training (or `save`)."""
+        `generation` moves the rest and brings everything back for training (or `save`). With
+        rollout.sync_from_host the actor's weights leave too and stream from their host copies,
+        bucket by bucket: the peak is the engine's weights + the stream's buffers."""
         from megarl.weights import stream_hf_weights
 
+        ro = self.cfg.rollout
         with self.timer("weight_sync"):
-            if self.cfg.rollout.offload_train_state:
+            if ro.offload_train_state:
                 for m in self.train_models:
-                    m.offload(weights=m is not self.actor)
+                    m.offload(weights=m is not self.actor or ro.sync_from_host)
             self.engine.resume_memory(**self._tags(["weights"]))
-            self.engine.update_weights(stream_hf_weights(self.actor.modules, self.hf_config,
-                                                         self.cfg.rollout.weight_bucket_mb << 20))
+            self.engine.update_weights(stream_hf_weights(self.actor.modules, self.hf_config, ro.weight_bucket_mb << 20,
+                                                         source=self.actor.host_weight if ro.sync_from_host else None))
         self.worker.policy_version = version
 
     def evaluate(self, step: int) -> dict[str, float]:

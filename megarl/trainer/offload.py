@@ -145,6 +145,20 @@ def to_host(chunks, optimizer, part: str, hosts: dict | None = None) -> Moved:
     return moved
 
 
+def host_view(moved: Moved, param: torch.Tensor) -> torch.Tensor | None:
+    """The host copy of `param`'s values while the "weights" part is off the GPU (a view into the
+    pinned copy of its storage or of its DDP buffer); None when `param` was not moved."""
+    for buf in moved.buffers:
+        if buf.param_data is not None and buf.param_data_cpu is not None and param in buf.param_index_map:
+            start, end, _ = buf.param_index_map[param]
+            return buf.param_data_cpu[start:end].view(param.shape)
+    key = _key(param)
+    for storage, _, host in moved.storages:
+        if storage._cdata == key:
+            return torch.as_strided(host.view(param.dtype), param.shape, param.stride(), param.storage_offset())
+    return None
+
+
 def to_device(moved: Moved) -> None:
     """Undoes `to_host`: the buffers are reloaded in place, the moved storages refilled."""
     for buf in moved.buffers:

@@ -221,6 +221,13 @@ class TrainModel:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
 
+    def host_weight(self, param: torch.Tensor) -> torch.Tensor:
+        """`param`'s values: the parameter itself, or its host copy while the weights are offloaded
+        (the weight stream's source with rollout.sync_from_host)."""
+        moved = self._moved.get("weights")
+        view = offload.host_view(moved, param) if moved is not None else None
+        return param if view is None else view
+
     def onload(self) -> None:
         """Undoes `offload`: every tensor it moved is back on the GPU, views of DDP's buffers intact."""
         if not self._moved:

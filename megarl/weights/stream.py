@@ -184,14 +184,16 @@ def _all_gather_packed(tensors: list[torch.Tensor], size: int, group, stats=None
     return out
 
 
-def _gather_tp(items, spec, stats=None) -> list[list[torch.Tensor]]:
+def _gather_tp(items, spec, stats=None, source=None, device=None) -> list[list[torch.Tensor]]:
     """HF tensors of each (pm, param, entry) in `items`: TP shards (expert-TP for experts)
     all-gathered in one call per group; a fused expert tensor's parts then all-gathered over EP
-    (rank-major). Every rank of a group passes the same items."""
+    (rank-major). Every rank of a group passes the same items. `source(param)`: where its values
+    are (a host copy, moved to `device` here)."""
     from megatron.core import parallel_state as ps
 
-    local = [torch.stack([p.detach() for p in param]).to(e.torch_dtype) if isinstance(param, list)
-             else param.detach().to(e.torch_dtype) for _, param, e in items]
+    read = (lambda p: p.detach()) if source is None else (lambda p: source(p).detach().to(device))
+    local = [torch.stack([read(p) for p in param]).to(e.torch_dtype) if isinstance(param, list)
+             else read(param).to(e.torch_dtype) for _, param, e in items]
     out: list = [None] * len(items)
     for is_expert, group in ((False, ps.get_tensor_model_parallel_group()),
                              (True, ps.get_expert_tensor_parallel_group())):
@@ -230,7 +232,8 @@ def no_experts(layer: int, expert: int) -> bool:
 def stream_hf_weights(model_chunks, hf_config: Any = None, bucket_bytes: int = 256 << 20, *,
                       receive: bool = True, dtype: torch.dtype | None = None,
                       want_expert: Callable[[int, int], bool] | None = None,
-                      stats: StreamStats | None = None) -> Iterator[Bucket]:
+                      stats: StreamStats | None = None,
+                      source: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Iterator[Bucket]:
     """Yields buckets [(hf_name, full_tensor)] of the whole model on every receiving rank.
 
     model_chunks: this rank's GPTModel chunk(s), possibly DDP-wrapped. hf_config: optional; when
@@ -238,7 +241,9 @@ def stream_hf_weights(model_chunks, hf_config: Any = None, bucket_bytes: int = 2
     the buffers that are HF tensors (routers' e_score_correction_bias: float32, as HF keeps them).
     want_expert(layer, global expert): the routed experts this rank receives (default: all when
     `receive`, none otherwise); a rank's other experts never reach it. stats: filled with what the
-    stream held (`StreamStats`).
+    stream held (`StreamStats`). source(param): the tensor holding a parameter's values when that is
+    not the parameter (its host copy while the weights are offloaded: rollout.sync_from_host); each
+    bucket's shards are copied to the parameters' device before they are gathered.
     """
     from megatron.core import parallel_state as ps
 
@@ -278,7 +283,7 @@ def stream_hf_weights(model_chunks, hf_config: Any = None, bucket_bytes: int = 2
             if stage == pp_rank:  # dense tensors and the routed experts this rank holds
                 mine = [k for k in dense + routed if params[idx[k]][1] is not None]
                 items = [(*params[idx[k]], bucket[k]) for k in mine]
-                tensors = dict(zip(mine, _gather_tp(items, spec, stats)))
+                tensors = dict(zip(mine, _gather_tp(items, spec, stats, source, device)))
             if routed:
                 got = expert_delivery.deliver(
                     emap, stage, [bucket[k].expert for k in routed], [bucket[k].hf_shapes for k in routed],

@@ -547,14 +547,28 @@ def obs_generation_offloads(ctx, cfg):
     return len(calls)
 
 
+def obs_sync_offloads(ctx, cfg):
+    """What the weight sync moves off the GPU first: (model, with its weights) per offload call."""
+    run = _run_components(ctx, cfg)
+    calls = []
+    for m in run.train_models:
+        m.offload = (lambda weights=True, m=m: calls.append((type(m).__name__, weights)))
+    try:
+        run.sync_weights(0)
+    finally:
+        for m in run.train_models:
+            del m.offload
+    return calls
+
+
 def obs_evaluate(ctx, cfg):
     run = _run_components(ctx, cfg)
     run.sync_weights(0)
     seen = []
     real = run.worker.generate
 
-    def recording(items, encoded, sampling):
-        trajs = real(items, encoded, sampling)
+    def recording(items, encoded, sampling, **kw):
+        trajs = real(items, encoded, sampling, **kw)
         seen.append((sampling.n, sampling.temperature, sampling.top_p, sampling.max_new_tokens, len(trajs)))
         return trajs
 
@@ -722,6 +736,7 @@ WITNESSES = {
                           "rollout.function=tests.distributed.scripts_liveness:ScriptedWorker"),
     "rollout.weight_bucket_mb": W("4", obs_sync_buckets, "model.hf_path={root}/model_c"),
     "rollout.offload_train_state": W("false", obs_generation_offloads),
+    "rollout.sync_from_host": W("true", obs_sync_offloads),
     "rollout.gen_batch_prompts": W("8", obs_collect, "algorithm.dynamic_sampling=true"),
     "rollout.max_gen_batches": W("1", obs_collect, "algorithm.dynamic_sampling=true", "rollout.prompts_per_step=8",
                                  "algorithm.mini_batch_size=16"),

@@ -168,13 +168,13 @@ class WatchedEngine(BuiltinEngine):
         super().update_weights(watched(), strict)
 
 
-def sync_case(model_dir: str, hf_config, fields: dict) -> dict:
-    """RunComponents.sync_weights and generation with rollout.offload_train_state=true, as the loop
-    runs them after a training step: the device footprint of the actor (and of a forward-only
-    reference model) before, during the weight stream, in generation and after; then a step that
-    must equal a twin's that never offloaded."""
+def sync_case(model_dir: str, hf_config, fields: dict, from_host: bool = False) -> dict:
+    """RunComponents.sync_weights and generation with rollout.offload_train_state=true (from_host:
+    and rollout.sync_from_host), as the loop runs them after a training step: the device footprint
+    of the actor (and of a forward-only reference model) before, during the weight stream, in
+    generation and after; then a step that must equal a twin's that never offloaded."""
     cfg = load_config(None, ["rollout.engine=builtin", "rollout.offload_train_state=true", "rollout.weight_bucket_mb=1",
-                             "model.dtype=bf16"])
+                             "model.dtype=bf16", f"rollout.sync_from_host={str(from_host).lower()}"])
     optim = dataclasses.replace(OptimConfig(lr=1e-2, weight_decay=0.0, clip_grad=1.0, max_tokens_per_microbatch=32),
                                 **fields)
     actor, twin = (train_model(hf_config, optim, model_dir, dtype="bf16", total_steps=10, seed=0) for _ in range(2))
@@ -240,7 +240,7 @@ def model_checks() -> dict:
 
 
 def main() -> None:
-    args = parse_args(cases=",".join(CASES), sync="distributed_bf16,plain_bf16")
+    args = parse_args(cases=",".join(CASES), sync="distributed_bf16,plain_bf16,distributed_bf16_from_host,plain_bf16_from_host")
     model = str(args.root / "model")
     init_distributed(ParallelSizes(), seed=0, timeout_s=300)
     host_offload.enable()
@@ -250,7 +250,8 @@ def main() -> None:
     res["smoke_offload_plain"] = smoke_check(model, hf_config)
     for name in args.sync.split(","):
         if name:
-            res[f"sync_{name}"] = sync_case(model, hf_config, CASES[name][1])
+            base = name.removesuffix("_from_host")
+            res[f"sync_{name}"] = sync_case(model, hf_config, CASES[base][1], from_host=name != base)
     try:
         TrainModel(hf_config, OptimConfig(offload_optimizer=True), dtype="fp32")
         res["hybrid_fp32_refused"] = None

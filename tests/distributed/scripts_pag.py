@@ -36,7 +36,6 @@ def write_sft_rows(path: Path, verify: str, revise: str, n: int = 96) -> None:
 
 def case_components(cfg) -> dict:
     from megarl.trainer import rl
-    from megarl.trainer.batch import StepBatch
     from megarl.trainer.components import build_components
     from megarl.trainer.step_collector import step_collector
     from megarl.trainer.state import TrainerState
@@ -45,19 +44,18 @@ def case_components(cfg) -> dict:
     run.start_engine()
     run.sync_weights(0)
     with run.generation(release=True):
-        trajs, metrics = step_collector(cfg, run)(0, TrainerState())
-    batch = StepBatch.from_trajectories(trajs)
-    rl.set_masks(batch, cfg)
-    rows, _ = rl.local_minibatches(rl.split_minibatches(batch.lengths, len(batch), 0, run.dp_rank, run.dp_size))
-    local = batch.select(rows)
+        rows, metrics = step_collector(cfg, run)(0, TrainerState())
+    local, _, _ = run.take_rows(rows, 0, TrainerState())  # this DP rank's rows, as the loop gets them
+    rl.set_masks(local, cfg)
     local.old_logprobs = rl.compute_log_probs(run.actor, local, cfg.rollout.temperature)
     out = {"metrics": metrics, "mismatch": rl.logprob_mismatch(local, run.dp_group), "trajectories": []}
-    for i, r in enumerate(rows):  # local row i is batch row r (split_minibatches shuffles)
-        t, n = trajs[r], len(trajs[r].response_ids)
+    for i in range(len(local)):
+        n = len(local.response_ids[i])
         out["trajectories"].append({
-            "response_ids": t.response_ids, "template_mask": t.template_mask, "turn_ends": t.turn_ends,
-            "turn_is_policy": t.turn_is_policy, "turn_outcome": t.turn_outcome,
-            "engine_logprobs": t.rollout_logprobs, "trainer_logprobs": local.old_logprobs[i, :n].tolist(),
+            "response_ids": local.response_ids[i], "template_mask": local.template_mask[i, :n].int().tolist(),
+            "turn_ends": local.turn_ends[i], "turn_is_policy": local.turn_is_policy[i],
+            "turn_outcome": local.turn_outcome[i], "engine_logprobs": local.rollout_logprobs[i, :n].tolist(),
+            "trainer_logprobs": local.old_logprobs[i, :n].tolist(),
             "loss_mask": local.loss_mask[i, :n].tolist(), "value_mask": local.value_mask[i, :n].tolist(),
         })
     return out

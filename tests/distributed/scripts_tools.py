@@ -69,7 +69,7 @@ def write_files(root: Path, cfg) -> None:
 
 def case_components(cfg) -> dict:
     from megarl.trainer import rl
-    from megarl.trainer.batch import StepBatch
+    from megarl.trainer.rows import RowTable
     from megarl.trainer.components import build_components
     from megarl.trainer.step_collector import step_collector
     from megarl.trainer.state import TrainerState
@@ -79,24 +79,23 @@ def case_components(cfg) -> dict:
     run.start_engine()
     run.sync_weights(0)
     with run.generation(release=True):
-        trajs, metrics = step_collector(cfg, run)(0, TrainerState())
-    batch = StepBatch.from_trajectories(trajs)
-    rl.set_masks(batch, cfg)
-    rows, _ = rl.local_minibatches(rl.split_minibatches(batch.lengths, len(batch), 0, run.dp_rank, run.dp_size))
-    local = batch.select(rows)
+        rows, metrics = step_collector(cfg, run)(0, TrainerState())
+    local, here, _ = run.take_rows(rows, 0, TrainerState())  # this DP rank's rows, as the loop gets them
+    rl.set_masks(local, cfg)
     local.old_logprobs = rl.compute_log_probs(run.actor, local, cfg.rollout.temperature)
     local.ref_logprobs = rl.compute_log_probs(run.ref, local, cfg.rollout.temperature)
     local.values = rl.compute_values(run.critic, local)
-    rl.compute_advantages(batch, local, rows, cfg, run.dp_group, 0.0)
+    rl.compute_advantages(RowTable.of(rows), local, here, cfg, run.dp_group, 0.0)
     out = {"metrics": metrics, "mismatch": rl.logprob_mismatch(local, run.dp_group), "trajectories": [],
            "user_tool_calls": [c for calls in gather(tool_fixtures.CALLS) for c in calls]}
     tok = run.worker.tokenizer
-    for i, r in enumerate(rows):  # local row i is batch row r (split_minibatches shuffles)
-        t, n = trajs[r], len(trajs[r].response_ids)
+    for i, r in enumerate(here):  # local row i is row r of the step
+        n = len(local.response_ids[i])
         out["trajectories"].append({
-            "text": tok.decode(t.response_ids), "prompt": tok.decode(t.prompt_ids), "response_ids": t.response_ids,
-            "obs_mask": t.template_mask, "tool_stats": t.tool_stats, "acc": t.acc, "score": t.score,
-            "engine_logprobs": t.rollout_logprobs, "trainer_logprobs": local.old_logprobs[i, :n].tolist(),
+            "text": tok.decode(local.response_ids[i]), "prompt": tok.decode(local.prompt_ids[i]),
+            "response_ids": local.response_ids[i], "obs_mask": local.template_mask[i, :n].int().tolist(),
+            "tool_stats": rows[r].tool_stats, "acc": bool(local.acc[i]), "score": float(local.score[i]),
+            "engine_logprobs": local.rollout_logprobs[i, :n].tolist(), "trainer_logprobs": local.old_logprobs[i, :n].tolist(),
             "loss_mask": local.loss_mask[i, :n].tolist(), "value_mask": local.value_mask[i, :n].tolist(),
             "advantages": local.advantages[i, :n].tolist(), "returns": local.returns[i, :n].tolist(),
         })

@@ -56,12 +56,18 @@ def case_mismatch(cfg, hf_config) -> dict:
 def case_tppo(cfg_path: str, overrides: list[str], root: Path) -> dict:
     train_run(cfg_path, overrides, root / "straight", 4)
     train_run(cfg_path, overrides, root / "resumed", 2)
-    state = torch.load(checkpoint.read_latest(root / "resumed") / "trainer_state.pt", weights_only=True)
+    latest = checkpoint.read_latest(root / "resumed")
+    state = torch.load(latest / "trainer_state.pt", weights_only=True)
+    saved = {r: torch.load(latest / "rows" / f"rank{r}.pt", weights_only=True)["rows"]
+             for r in range(dist.get_world_size())}  # each rank's carried payloads, by key
     train_run(cfg_path, overrides, root / "resumed", 4, resume=True)
     if dist.get_rank() != 0:
         return {}
     return {"straight": metrics_rows(root / "straight"), "resumed": metrics_rows(root / "resumed"),
-            "checkpoint_step": state["step"], "in_flight": state["in_flight"]}
+            "checkpoint_step": state["step"], "in_flight": state["in_flight"],
+            "payloads": [{"response_ids": saved[m["source"]][m["key"]]["response_ids"],
+                          "finish_reason": saved[m["source"]][m["key"]]["finish_reason"]} for m in state["in_flight"]],
+            "saved_rows": sum(len(v) for v in saved.values())}
 
 
 def main():

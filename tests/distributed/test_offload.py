@@ -103,6 +103,21 @@ def test_weight_sync_streams_with_only_the_weights_on_the_device(result, case):
     assert r["twin_diff"] < 1e-6, r["twin_diff"]
 
 
+@pytest.mark.parametrize("case", ("sync_distributed_bf16_from_host", "sync_plain_bf16_from_host"))
+def test_weight_sync_from_host_streams_with_nothing_of_the_trainer_on_the_device(result, case):
+    """rollout.sync_from_host: the actor's weights leave with the rest before the engine's weights
+    come back and stream from their host copies (each bucket copied in); the engine gets the
+    trainer's weights exactly, and training goes on as if nothing had moved."""
+    r = result[case]
+    trained = r["trained"]["actor"]
+    assert trained["weights"] > 0 and r["stream"], r
+    for seen in r["stream"] + [r["after_sync"]]:
+        assert seen == {"actor": {"weights": 0, "grads": 0, "optimizer": 0}, "ref_weights": 0}, seen
+    assert r["after_generation"] == r["trained"]
+    assert r["engine_equal"]
+    assert r["twin_diff"] < 1e-6, r["twin_diff"]
+
+
 def test_gpu_smoke_offload_plain_check_passes_on_the_cpu_model(result):
     """tools/gpu_smoke.py's offload_plain check (tools/smoke/offload.py), run here on the CPU model."""
     r = result["smoke_offload_plain"]

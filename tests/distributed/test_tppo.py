@@ -81,7 +81,11 @@ def test_windows_carry_unfinished_samples_and_refill_slots(result):
 def test_resume_mid_carried_window_matches_uninterrupted_run(result):
     res = result["tppo"]
     assert res["checkpoint_step"] == 2 and len(res["in_flight"]) > 0  # stopped with samples mid-response
-    assert all(t["finish_reason"] == "truncated" and len(t["response_ids"]) % WINDOW == 0 for t in res["in_flight"])
+    assert all(t["finish_reason"] == "truncated" and t["response_len"] % WINDOW == 0 for t in res["in_flight"])
+    # the payloads live in the checkpoint of the rank that generated them (rows/rank<R>.pt), only the carried ones
+    assert [len(p["response_ids"]) for p in res["payloads"]] == [t["response_len"] for t in res["in_flight"]]
+    assert all(p["finish_reason"] == "truncated" for p in res["payloads"])
+    assert res["saved_rows"] == len(res["in_flight"])
     straight = {r["step"]: r for r in res["straight"] if "actor/pg_loss" in r}
     resumed = {r["step"]: r for r in res["resumed"] if "actor/pg_loss" in r}
     assert sorted(straight) == sorted(resumed) == [1, 2, 3, 4]

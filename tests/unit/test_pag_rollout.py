@@ -76,6 +76,24 @@ def test_selective_revision_stops_on_correct_and_at_t_max():
     assert single[0].turn_is_policy == [True] and single[0].template_mask == [0]
 
 
+def test_routed_experts_of_every_position_come_from_the_call_that_forwarded_it():
+    """Routing replay through PAG turns (megarl.rollout.multi_turn.stitch_routing): each position
+    keeps the experts of the first call that forwarded it (a turn's last token and the instruction
+    after it: the next call's)."""
+    script = [["a", "b"], [VERDICT_WRONG, VERDICT_WRONG], ["a2", "b2"], [VERDICT_CORRECT, VERDICT_WRONG], ["b3"]]
+    engine = scripted_engine.ScriptedEngine(script, truncate=False, routing=(2, 2))
+    a, b = pag_rollout(engine, [[7], [8]], SamplingParams(n=1), V, R, 3, decode)
+    for t in (a, b):
+        total = 1 + len(t.response_ids)
+        ends = [1 + e + 1 for e in t.turn_ends]
+        calls = [c for c, (contexts, _) in enumerate(engine.calls)
+                 for ctx in contexts if ctx[0] == t.prompt_ids[0]]  # the calls this trajectory took part in
+        got = t.routed_experts[:, 1, 0].tolist()
+        assert t.routed_experts.shape == (total, 2, 2)
+        assert got == [calls[c] if c >= 0 else -1 for c in scripted_engine.first_forwards(ends, total)]
+    assert set(b.routed_experts[:, 0, 0].tolist()) == {0, 1, 2, 3, 4, -1}
+
+
 def test_a_turn_that_would_not_fit_the_context_ends_the_trajectory():
     """engine.max_context: prompt 1 + "abc" 3 + V 2 = 6 >= 6 leaves no room -> "length", no call."""
     engine = ScriptedEngine([["ab", "abc"], [VERDICT_WRONG]], max_context=6)

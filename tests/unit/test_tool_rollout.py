@@ -137,6 +137,30 @@ def test_a_turn_past_its_budget_is_cut_to_it():
     assert len(a.response_ids) == len(b.response_ids) == 60 and a.end == b.end == "length"
 
 
+def test_routed_experts_of_every_position_come_from_the_call_that_forwarded_it():
+    """Routing replay through tool turns (megarl.rollout.multi_turn.stitch_routing): each position
+    keeps the experts of the first call that forwarded it: the prompt and a turn's tokens that of
+    their call, a turn's last token and the observation after it the next call's; a turn cut to
+    the budget is cut in the experts too."""
+    from tests.unit.scripted_engine import first_forwards
+
+    engine = ScriptedEngine([["a<code>1</code>", "Answer: 5"], ["b<code>2</code>"], ["x" * 40]], routing=(3, 2))
+    t0, t1 = tool_rollout(engine, [ids("P")], SamplingParams(n=2, max_new_tokens=40), CodeFormat(), EchoTools(),
+                          max_turns=4, encode=ids, decode=decode, budget=130)
+    total = 1 + len(t0.response_ids)
+    ends = [1 + e + 1 for e in t0.turn_ends]  # the sequence each of t0's calls ended with
+    assert t0.turns == 3 and t0.end == "length" and len(t0.response_ids) == 130  # the third turn cut to the budget
+    assert t0.routed_experts.shape == (total, 3, 2)
+    assert t0.routed_experts[:, 0, 0].tolist() == first_forwards(ends, total)
+    assert t0.routed_experts[:, 2, 1].tolist() == first_forwards(ends, total)  # every layer and slot alike
+    assert set(t0.routed_experts[:, 0, 0].tolist()) == {0, 1, 2, -1}
+    assert t1.routed_experts[:, 0, 0].tolist() == [0] * len(t1.response_ids) + [-1]
+    # without routing the trajectories carry none
+    (t,) = tool_rollout(ScriptedEngine([["Answer: 1"]]), [[1]], SamplingParams(n=1, max_new_tokens=40),
+                        CodeFormat(), EchoTools(), max_turns=2, encode=ids, decode=decode)
+    assert t.routed_experts is None
+
+
 def test_chat_json_calls_run_together_and_come_back_in_the_template():
     tok = byte_tokenizer_with(QWEN2_5)
     call = lambda c: '<tool_call>\n' + json.dumps({"name": "python", "arguments": {"code": c}}) + '\n</tool_call>'  # noqa: E731

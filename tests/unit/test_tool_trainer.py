@@ -25,8 +25,8 @@ class ScriptedEngine:
     """generate() answers call k with script[k][j] for its j-th context (the byte tokenizer's ids;
     log-probs -0.5); every turn finishes "stop" (the format's stop string ends a calling turn)."""
 
-    def __init__(self, tokenizer, script):
-        self.tok, self.script, self.calls = tokenizer, script, []
+    def __init__(self, tokenizer, script, routing: bool = False):
+        self.tok, self.script, self.calls, self.routing = tokenizer, script, [], routing
 
     def generate(self, prompts, sampling):
         texts = self.script[len(self.calls)]
@@ -35,8 +35,10 @@ class ScriptedEngine:
         out = []
         for j, text in enumerate(texts):
             ids = self.tok.encode(text, add_special_tokens=False)
+            n = len(prompts[j // sampling.n]) + len(ids)  # MoE engines: experts of every token, 2 layers x top-2
             out.append(Sample(prompt_ids=list(prompts[j // sampling.n]), response_ids=ids, logprobs=[-0.5] * len(ids),
-                              finish_reason="stop", text=text, index=j // sampling.n))
+                              finish_reason="stop", text=text, index=j // sampling.n,
+                              routed_experts=torch.ones(n, 2, 2, dtype=torch.int16) if self.routing else None))
         return out
 
 
@@ -49,7 +51,7 @@ SCRIPT = [
 ]
 
 
-def run_worker(tmp_path, overrides=(), script=None):
+def run_worker(tmp_path, overrides=(), script=None, routing=False):
     import torch.distributed as dist
 
     from megarl.data.dataset import PromptItem
@@ -61,7 +63,7 @@ def run_worker(tmp_path, overrides=(), script=None):
     cfg = load_config(PRESET, BASE + list(overrides))
     tok = build_byte_tokenizer()
     script = SCRIPT if script is None else script
-    engine = ScriptedEngine(tok, script)
+    engine = ScriptedEngine(tok, script, routing)
     worker = RolloutWorker(engine, tok, build_rewards(cfg), cfg)
     items = [PromptItem(uid=f"u{i}", prompt="6*7", answer="42", data_source="arith") for i in range(len(script[0]))]
     owned = not dist.is_initialized()
@@ -75,6 +77,15 @@ def run_worker(tmp_path, overrides=(), script=None):
         if owned:
             dist.destroy_process_group()
     return trajs, worker.metrics, engine, tok
+
+
+def test_tool_trajectories_keep_the_routed_experts(tmp_path):
+    """Routing replay with tool calls: every trajectory carries the experts of each of its tokens
+    (prompt, turns, observations), stitched from its turns' calls."""
+    trajs, _, _, tok = run_worker(tmp_path, routing=True)
+    for t in trajs:
+        assert t.routed_experts is not None and t.routed_experts.shape == (t.length, 2, 2)
+    assert run_worker(tmp_path, routing=False)[0][0].routed_experts is None
 
 
 def test_worker_runs_the_turns_scores_the_answers_and_counts_every_outcome(tmp_path):
