@@ -3,8 +3,8 @@
 --phase save (2 gloo ranks, DP=2): three models, each 2 updates of a fixed batch, then saved by
 TrainModel.save (megarl.weights.optim_ckpt: every rank writes only its own shard), then 2 more
 updates (the uninterrupted run: their losses and grad norms). Cases: the dense tiny actor, a tiny
-qwen3_moe actor at EP=2 with frozen routers (megatron's dense + expert-parallel optimizer chain),
-the tiny critic (value head). Every rank dumps its optimizer shard (per parameter name: the range
+qwen3_moe actor at EP=2 with frozen routers (megatron's dense + expert-parallel optimizer chain)
+and at EP=1 (one optimizer), the tiny critic (value head). Every rank dumps its optimizer shard (per parameter name: the range
 it owns of the flattened parameter and the fp32 main weights / Adam moments there). The dense
 and MoE actors are also saved by megatron's own gathering `fully_reshardable` writer (megarl's
 writer before the sharded one; the MoE chain's keys carry megatron's `chained_<i>.` prefix), the
@@ -12,8 +12,8 @@ dense one also in megatron's `dp_reshardable` format (not readable here). Bytes:
 the optimizer-state elements the sharded state dict of each writer references, and the bytes it
 allocates beyond the optimizer's own storage.
 
---phase load (4 gloo ranks, DP=4): each case loads at DP=4 (the MoE one at EP=1: one optimizer
-instead of the chain) and runs the same 2 updates; the dense actor and the critic compare their
+--phase load (4 gloo ranks, DP=4): each case loads at DP=4 (the MoE ones at EP=1, one optimizer
+instead of the chain, and at EP=2, a chain instead of one optimizer) and runs the same 2 updates; the dense actor and the critic compare their
 loaded shards bit for bit with the DP=2 dumps; the dense and MoE actors also load the gathered
 checkpoints, the dense one once without its optimizer state (control); the dp_reshardable one
 must fail naming its file.
@@ -103,6 +103,7 @@ def megatron_save(model, path: Path, sharding_type: str) -> None:
 CASES = {  # name: (model options, critic, layout at save, layout at load)
     "dense": ({}, False, dict(tp=1), dict(tp=1)),
     "moe_frozen_router": ({"freeze_router": True}, False, dict(ep=2), dict(ep=1)),
+    "moe_ep1_to_ep2": ({}, False, dict(ep=1), dict(ep=2)),
     "critic": ({"value_head": True}, True, dict(tp=1), dict(tp=1)),
 }
 
@@ -139,7 +140,7 @@ def save_phase(cfg, root: Path, moe_path: str) -> dict:
         updates(0)
         model.save(str(root / case / "sharded"))
         torch.save(shards(model), root / case / f"shards_{dist.get_rank()}.pt")
-        if case != "critic":
+        if case in ("dense", "moe_frozen_router"):
             megatron_save(model, root / case / "gathered", "fully_reshardable")
         if case == "dense":
             megatron_save(model, root / case / "dp_reshardable", "dp_reshardable")
@@ -156,11 +157,11 @@ def load_phase(cfg, root: Path, moe_path: str) -> dict:
         hf = moe_path if case.startswith("moe") else cfg.model.hf_path
         out = res[case] = {}
         sources = {"sharded": True, "gathered": True, "no_optimizer": False} if case == "dense" else (
-            {"sharded": True, "gathered": True} if case.startswith("moe") else {"sharded": True})
+            {"sharded": True, "gathered": True} if case == "moe_frozen_router" else {"sharded": True})
         for source, with_optimizer in sources.items():
             model, updates = build(cfg, case, hf, "load")
             model.load(str(root / case / ("sharded" if source == "no_optimizer" else source)), load_optimizer=with_optimizer)
-            if with_optimizer and not case.startswith("moe"):  # same parameter names at DP=2 and DP=4
+            if with_optimizer and not case.startswith("moe"):  # same parameter names at both layouts
                 out[f"{source}_mismatches"] = sum(gather(mismatches(shards(model), root / case)))
             if case == "dense" and source == "sharded":
                 res["bytes_dp4"] = gather(writer_bytes(model))
