@@ -144,8 +144,8 @@ def _distributed_state(opt, model_sd: dict, is_loading: bool) -> tuple[dict, lis
     from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
 
     common = opt.state_dict()  # param groups, step, grad scaler (megarl's CPU runtime fills Adam state)
-    # HybridDeviceOptimizer (offload_optimizer) keeps its optimizer classes in every param group:
-    # common.pt must load with weights_only=True, `apply_loaded` puts them back
+    # HybridDeviceOptimizer (offload_optimizer) copies its optimizer classes into every param group
+    # (it reads them from its own attributes, never from there): common.pt must load weights_only
     common["optimizer"] = {**common["optimizer"], "param_groups": [
         {k: v for k, v in g.items() if not isinstance(v, type)} for g in common["optimizer"]["param_groups"]]}
     if is_loading:
@@ -285,9 +285,6 @@ def apply_loaded(optimizer, state: dict, flats: list, commons: list, path: Path)
             continue
         common = dict(_common_for(opt, i, len(subs), commons, path))
         common.pop("param_state_sharding_type")
-        classes = {k: v for g in opt.optimizer.param_groups for k, v in g.items() if isinstance(v, type)}
-        common["optimizer"] = {**common["optimizer"],
-                               "param_groups": [{**classes, **g} for g in common["optimizer"]["param_groups"]]}
         opt.load_state_dict(common)  # without param_state: param groups, step, grad scaler
         loaded = {}
         for idx, flat_of in enumerate(flats[i]):

@@ -3,8 +3,9 @@ strict device mode: the loaded shards equal the saved ones bit for bit, the resu
 the uninterrupted ones (dense actor, MoE from EP=2 with frozen routers to EP=1 and from EP=1 to
 EP=2, critic), the
 checkpoints of megatron's gathering writer still load, another megatron format fails naming its
-file, and every rank's writer touches only its own shard while the gathering one holds the whole
-DP group's state on every rank."""
+file, every rank's writer touches only its own shard while the gathering one holds the whole
+DP group's state on every rank, and an offload_optimizer checkpoint (HybridDeviceOptimizer) loads
+with weights_only and steps on."""
 
 import pytest
 
@@ -75,3 +76,9 @@ def test_each_rank_writes_only_its_own_shard(result, dp):
         # megatron's gathering writer: the whole DP group's state on every rank, whatever DP
         assert r["gathered"]["extra_bytes"] == STATES * 4 * params
         assert r["gathered"]["elements"] == STATES * params
+
+
+def test_offload_optimizer_checkpoint_loads_and_steps(result):
+    hybrid = result[0]["hybrid"]
+    assert hybrid["optimizer"] == "HybridDeviceOptimizer" and hybrid["moved"]
+    assert hybrid["loaded_equals_save_time"] and hybrid["step_after_load"] > 0
