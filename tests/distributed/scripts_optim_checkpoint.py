@@ -1,22 +1,23 @@
 """Worker for tests/distributed/test_optim_checkpoint.py: optimizer checkpoints that change DP.
 
---phase save (2 gloo ranks, DP=2): three models, each 2 updates of a fixed batch, then saved by
+--phase save (2 gloo ranks, DP=2): four models, each 2 updates of a fixed batch, then saved by
 TrainModel.save (megarl.weights.optim_ckpt: every rank writes only its own shard), then 2 more
 updates (the uninterrupted run: their losses and grad norms). Cases: the dense tiny actor, a tiny
 qwen3_moe actor at EP=2 with frozen routers (megatron's dense + expert-parallel optimizer chain)
-and at EP=1 (one optimizer), the tiny critic (value head). Every rank dumps its optimizer shard (per parameter name: the range
-it owns of the flattened parameter and the fp32 main weights / Adam moments there). The dense
-and MoE actors are also saved by megatron's own gathering `fully_reshardable` writer (megarl's
-writer before the sharded one; the MoE chain's keys carry megatron's `chained_<i>.` prefix), the
-dense one also in megatron's `dp_reshardable` format (not readable here). Bytes: per rank,
-the optimizer-state elements the sharded state dict of each writer references, and the bytes it
-allocates beyond the optimizer's own storage.
+and one at EP=1 (one optimizer), the tiny critic (value head). Every rank dumps its optimizer
+shard (per parameter name: the range it owns of the flattened parameter and the fp32 main
+weights / Adam moments there). The dense actor and the EP=2 MoE actor are also saved by
+megatron's own gathering `fully_reshardable` writer (megarl's writer before the sharded one; the
+MoE chain's keys carry megatron's `chained_<i>.` prefix), the dense one also in megatron's
+`dp_reshardable` format (not readable here). Bytes: per rank, the optimizer-state elements the
+sharded state dict of each writer references, and the bytes it allocates beyond the optimizer's
+own storage. Last, `hybrid_round_trip` (offload_optimizer).
 
 --phase load (4 gloo ranks, DP=4): each case loads at DP=4 (the MoE ones at EP=1, one optimizer
-instead of the chain, and at EP=2, a chain instead of one optimizer) and runs the same 2 updates; the dense actor and the critic compare their
-loaded shards bit for bit with the DP=2 dumps; the dense and MoE actors also load the gathered
-checkpoints, the dense one once without its optimizer state (control); the dp_reshardable one
-must fail naming its file.
+instead of the chain, and at EP=2, a chain instead of one optimizer) and runs the same 2
+updates; the dense actor and the critic compare their loaded shards bit for bit with the DP=2
+dumps; the dense and MoE actors also load the gathered checkpoints, the dense one once without
+its optimizer state (control); the dp_reshardable one must fail naming its file.
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ def writer_bytes(model) -> dict:
     model_sd = dist_ckpt.model_sharded_state_dict(model.chunks)
     own = state_storages(model)
     sharded, _ = optim_ckpt.sharded_state_dict(model.optimizer, model_sd)
-    gathered = model.optimizer.sharded_state_dict(model_sd, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+    gathered = model.optimizer.sharded_state_dict(model_sd,
+                                                  metadata={"distrib_optim_sharding_type": "fully_reshardable"})
     return {"sharded": sd_bytes(sharded, own), "gathered": sd_bytes(gathered, own),
             "owned": sum(b - a for a, b, _ in shards(model).values()),
             "params": sum(p.numel() for c in model.modules for p in c.parameters() if p.requires_grad)}
@@ -156,11 +158,12 @@ def load_phase(cfg, root: Path, moe_path: str) -> dict:
     for case in CASES:
         hf = moe_path if case.startswith("moe") else cfg.model.hf_path
         out = res[case] = {}
-        sources = {"sharded": True, "gathered": True, "no_optimizer": False} if case == "dense" else (
-            {"sharded": True, "gathered": True} if case == "moe_frozen_router" else {"sharded": True})
-        for source, with_optimizer in sources.items():
+        sources = {"dense": ["sharded", "gathered", "no_optimizer"],
+                   "moe_frozen_router": ["sharded", "gathered"]}.get(case, ["sharded"])
+        for source in sources:
+            with_optimizer = source != "no_optimizer"
             model, updates = build(cfg, case, hf, "load")
-            model.load(str(root / case / ("sharded" if source == "no_optimizer" else source)), load_optimizer=with_optimizer)
+            model.load(str(root / case / (source if with_optimizer else "sharded")), load_optimizer=with_optimizer)
             if with_optimizer and not case.startswith("moe"):  # same parameter names at both layouts
                 out[f"{source}_mismatches"] = sum(gather(mismatches(shards(model), root / case)))
             if case == "dense" and source == "sharded":
