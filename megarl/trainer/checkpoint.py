@@ -135,10 +135,7 @@ def _async_queue():
 def _async_model_save(model, path: Path) -> list:
     """The async requests of TrainModel.save's layout: <path>/model (+ hf/, metadata) and
     <path>/optimizer."""
-    from megatron.core import dist_checkpointing
-
-    from megarl.trainer.train_model import OPTIM_CKPT_METADATA
-    from megarl.weights import dist_ckpt
+    from megarl.weights import dist_ckpt, optim_ckpt
 
     requests: list = []
     dist_ckpt.save_megatron_checkpoint(model.chunks, path, model.hf_config, model.hf_source_dir,
@@ -147,9 +144,8 @@ def _async_model_save(model, path: Path) -> list:
         if dist.get_rank() == 0:
             (path / "optimizer").mkdir(parents=True, exist_ok=True)
         dist.barrier()
-        sd = model.optimizer.sharded_state_dict(dist_ckpt.model_sharded_state_dict(model.chunks),
-                                                metadata=OPTIM_CKPT_METADATA)
-        requests.append(dist_checkpointing.save(sd, str(path / "optimizer"), async_sharded_save=True))
+        requests.append(optim_ckpt.save(model.optimizer, dist_ckpt.model_sharded_state_dict(model.chunks),
+                                        path / "optimizer", async_save=True))
     return requests
 
 

@@ -26,9 +26,6 @@ from megarl.parallel.distributed import device
 from megarl.trainer import offload
 from megarl.trainer.batch import MicroBatch, StepBatch, TokenLayout, Trajectory, split_microbatches
 
-# the distributed optimizer's reshardable format: loads under another DP / TP / PP layout
-OPTIM_CKPT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
-
 LossFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
@@ -360,34 +357,26 @@ class TrainModel:
     # ---- checkpoints -----------------------------------------------------------------------
     def save(self, path: str) -> None:
         """Collective: <path>/model (+ hf/ and metadata, see megarl.weights.dist_ckpt) and, when
-        training, <path>/optimizer (torch_dist, reloadable under another DP/TP/PP layout)."""
-        from megatron.core import dist_checkpointing
-
-        from megarl.weights import dist_ckpt
+        training, <path>/optimizer (torch_dist, each rank writing only its own optimizer shard,
+        reloadable under another DP/TP/PP/EP layout: megarl.weights.optim_ckpt)."""
+        from megarl.weights import dist_ckpt, optim_ckpt
 
         dist_ckpt.save_megatron_checkpoint(self.chunks, path, self.hf_config, self.hf_source_dir)
         if self.optimizer is not None:
             if dist.get_rank() == 0:
                 Path(path, "optimizer").mkdir(parents=True, exist_ok=True)
             dist.barrier()
-            model_sd = dist_ckpt.model_sharded_state_dict(self.chunks)
-            sd = self.optimizer.sharded_state_dict(model_sd, metadata=OPTIM_CKPT_METADATA)
-            dist_checkpointing.save(sd, str(Path(path, "optimizer")))
+            optim_ckpt.save(self.optimizer, dist_ckpt.model_sharded_state_dict(self.chunks), Path(path, "optimizer"))
             dist.barrier()
 
     def load(self, path: str, load_optimizer: bool = True) -> None:
-        from megatron.core import dist_checkpointing
-
-        from megarl.weights import dist_ckpt
+        from megarl.weights import dist_ckpt, optim_ckpt
 
         dist_ckpt.load_megatron_checkpoint(self.chunks, path)
         if self.optimizer is not None and load_optimizer:
             opt_dir = Path(path, "optimizer")
             dist_ckpt.check_checkpoint_files(opt_dir)
-            model_sd = dist_ckpt.model_sharded_state_dict(self.chunks)
-            sd = self.optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=OPTIM_CKPT_METADATA)
-            state = dist_checkpointing.load(sd, str(opt_dir))
-            self.optimizer.load_state_dict(state)
+            optim_ckpt.load(self.optimizer, dist_ckpt.model_sharded_state_dict(self.chunks), opt_dir)
 
 
 def optimizer_config(optim, dtype: str):

@@ -157,6 +157,12 @@ def check_checkpoint_files(model_dir: str | Path) -> None:
         raise CheckpointError(f"{model_dir / 'common.pt'}: unreadable with weights_only=True ({e})") from e
 
 
+def dcp_metadata(model_dir: str | Path):
+    """The torch DCP metadata (`.metadata`) of a torch_dist directory, unpickled with the allow-list."""
+    with open(Path(model_dir) / ".metadata", "rb") as f:
+        return _DcpMetadataUnpickler(f).load()
+
+
 def torch_dist_problems(model_dir: str | Path) -> list[str]:
     """Why the torch_dist directory `model_dir` cannot be loaded (empty when complete): a missing
     file, foreign pickles (`check_checkpoint_files`), or a shard file missing or shorter than
@@ -164,8 +170,7 @@ def torch_dist_problems(model_dir: str | Path) -> list[str]:
     model_dir = Path(model_dir)
     try:
         check_checkpoint_files(model_dir)
-        with open(model_dir / ".metadata", "rb") as f:
-            metadata = _DcpMetadataUnpickler(f).load()
+        metadata = dcp_metadata(model_dir)
     except CheckpointError as e:
         return [str(e)]
     needed: dict[str, int] = {}
