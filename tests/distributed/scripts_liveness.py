@@ -427,14 +427,16 @@ def obs_windows(ctx, cfg):
     """One T-PPO rollout step (policy version 3) with carried samples whose first windows came
     from versions 0, 1, 2: how many continue, restart, drop, and the new samples."""
     from megarl.trainer.batch import Trajectory
+    from megarl.trainer.rows import gather_metas
     from megarl.trainer.state import TrainerState
     from megarl.trainer.windows import SuccessiveBatching
 
     run = _run_components(ctx, cfg)
     run.sync_weights(3)
     items = run.data.train.dataset
-    state = TrainerState(in_flight=[Trajectory(items[i].uid, list(items[i].prompt_ids), [7, 8], [-1.0, -1.0], "truncated",
-                                               policy_version=2, start_version=i) for i in range(3)])
+    carried = [Trajectory(items[i].uid, list(items[i].prompt_ids), [7, 8], [-1.0, -1.0], "truncated",
+                          policy_version=2, start_version=i) for i in range(3)]
+    state = TrainerState(in_flight=gather_metas(run.worker.store, carried, 0))  # payloads where they were made
     _, m = SuccessiveBatching(cfg, run.worker, run.next_items, run.data.encode, items)(3, state)
     return {k: m[k] for k in ("rollout/continued_samples", "rollout/restarted_samples", "rollout/dropped_samples",
                               "rollout/new_samples")}
