@@ -59,8 +59,14 @@ def main(argv: list[str] | None = None) -> int:
     if "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return run(args)
     from megarl.config.cli import config_from_args
+    from megarl.trainer.loggers import LoggerError, check_loggers
 
-    nproc = args.nproc or config_from_args(args).parallel.tp
+    cfg = config_from_args(args)
+    try:
+        check_loggers(cfg)  # the judge's SFT logs through trainer.loggers: a missing package stops here, not in a rank
+    except LoggerError as e:
+        raise SystemExit(f"tools/train_genrm.py: {e}") from None
+    nproc = args.nproc or cfg.parallel.tp
     if nproc == 1:
         return run(args)
     from megarl.parallel.launch import run_module
