@@ -15,6 +15,12 @@ orders) is printed and written to <out>/judge_eval.json. Spawns torchrun (gloo o
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # run as a file: the same as `python -m tools.train_genrm`
+    import sys
+    from pathlib import Path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repository root, not tools/
+    __import__("tools").run_as_module(__file__)
+
 import argparse
 import os
 import sys
