@@ -1,6 +1,7 @@
 """A logger of trainer.loggers that cannot start (package not installed, server unreachable) is
-found where the config loads, with the message start-up would give: `megarl quickstart` and
-`launch/local.py` before torchrun starts a rank, `megarl train` before any work."""
+found where the config loads, with the message start-up would give: `megarl quickstart`,
+`launch/local.py` and `tools/train_genrm.py` before torchrun starts a rank, `megarl train` before any
+work."""
 
 import os
 import subprocess
@@ -96,3 +97,13 @@ def test_local_launcher_stops_before_torchrun_on_a_missing_logger_package(monkey
     out = capsys.readouterr()
     assert rc == 2 and out.out == ""  # not even the dry run's command
     assert out.err.startswith("error: config: trainer.loggers: 'wandb' needs the wandb package") and "pip install" in out.err
+
+
+def test_train_genrm_stops_before_its_ranks_on_a_missing_logger_package(tmp_path, monkeypatch):
+    from tools.train_genrm import main
+
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(SystemExit, match=r"^tools/train_genrm.py: trainer.loggers: 'wandb' needs the wandb package"):
+        main(["--train-pairs", str(tmp_path / "pairs.jsonl"), "--out", str(tmp_path / "judge"), "--nproc", "2",
+              "trainer.loggers=[wandb]", "trainer.wandb_mode=offline"])
+    assert not (tmp_path / "judge").exists()
