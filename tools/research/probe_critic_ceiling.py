@@ -248,13 +248,6 @@ def fit_critic(critic: tuple[torch.nn.Module, torch.nn.Linear], seqs: list[tuple
 
 
 def main(argv=None) -> None:
-    from transformers import AutoModelForCausalLM
-
-    from megarl.data.templates import apply_template
-    from megarl.rollout import SamplingParams
-    from megarl.rollout.builtin import BuiltinEngine
-    from megarl.tasks.arith import cot_lines
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--policy", required=True, help="HF dir of the policy that samples")
     p.add_argument("--trunks", default="", help="comma-separated HF dirs whose hidden states are probed")
@@ -278,6 +271,13 @@ def main(argv=None) -> None:
                    help="K: estimate the true value function's EV from K continuations per scored position")
     p.add_argument("--mc-stride", type=int, default=1, help="score every n-th response position")
     a = p.parse_args(argv)
+    from transformers import AutoModelForCausalLM  # after the arguments: --help stays quick
+
+    from megarl.data.templates import apply_template
+    from megarl.rollout import SamplingParams
+    from megarl.rollout.builtin import BuiltinEngine
+    from megarl.tasks.arith import cot_lines
+
     rows = [json.loads(x) for x in Path(a.task).read_text().splitlines()[: a.prompts]]
     engine = BuiltinEngine.from_pretrained(a.policy)
     tok = engine.tokenizer
