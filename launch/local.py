@@ -8,7 +8,9 @@ Runs ``torchrun --standalone --nnodes 1 --nproc-per-node N -m megarl.cli train -
 [--config LAYOUT] overrides`` from the repository root with the launcher's environment defaults
 (CUDA_DEVICE_MAX_CONNECTIONS=1, NCCL_CUMEM_ENABLE=0, ...; see launch_common.DEFAULT_ENV). N
 defaults to parallel.gpus_per_node of the config; on a CPU machine pass e.g. ``--nproc 2``.
-``--dryrun`` prints the command and environment only.
+``--dryrun`` prints the command and environment only. The config is validated for this world
+and the loggers of ``trainer.loggers`` are checked (package installed, server reachable) before
+torchrun starts: an error is one line and exit status 2.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from launch_common import REPO, TRAIN_MODULE, ConfigError, add_common_arguments, check_config  # noqa: E402
 from launch_common import fail, compose, from_dict, parse_env, train_args  # noqa: E402
+from megarl.trainer.loggers import LoggerError, check_loggers  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,7 +54,7 @@ def build_command(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
         overrides.append("parallel.nodes=1")
     if nproc != cfg.parallel.gpus_per_node:
         overrides.append(f"parallel.gpus_per_node={nproc}")
-    check_config(files, overrides, nproc)
+    check_loggers(check_config(files, overrides, nproc))  # this machine runs the job: its packages, its network
     cmd = [torchrun_executable(args.torchrun), "--standalone", "--nnodes", "1", "--nproc-per-node", str(nproc),
            "-m", TRAIN_MODULE, *train_args(args.recipe, args.layout, overrides)]
     return cmd, parse_env(args.env)
@@ -61,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         cmd, env = build_command(args)
-    except ConfigError as e:
+    except (ConfigError, LoggerError) as e:
         return fail(f"config: {e}")
     if args.dryrun:
         for key, value in env.items():

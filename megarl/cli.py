@@ -31,11 +31,15 @@ SUBCOMMANDS = {  # command -> its main(argv) -> exit code
 
 
 def _load(args):
+    """The config; on rank 0 (the one that logs) its loggers checked (package, network) before any
+    work, and the config saved to the run dir."""
     from megarl.config import save_config
     from megarl.config.cli import config_from_args
+    from megarl.trainer.loggers import check_loggers
 
     cfg = config_from_args(args)
     if int(os.environ.get("RANK", "0")) == 0:
+        check_loggers(cfg)
         Path(cfg.trainer.run_dir).mkdir(parents=True, exist_ok=True)
         save_config(cfg, str(Path(cfg.trainer.run_dir) / "config.yaml"))
     return cfg
@@ -54,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from megarl.config import ConfigError
     from megarl.config.cli import add_config_arguments
+    from megarl.trainer.loggers import LoggerError
 
     parser = argparse.ArgumentParser(prog=f"megarl {cmd}")
     add_config_arguments(parser)
@@ -61,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     try:
         cfg = _load(args)
-    except ConfigError as e:
+    except (ConfigError, LoggerError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     if cmd == "train":

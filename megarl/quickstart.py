@@ -44,13 +44,23 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "quickstart" 
 
 
 def launch(argv: list[str]) -> int:
-    """Spawns the quickstart under torchrun (gloo) and relays its output."""
+    """Spawns the quickstart under torchrun (gloo) and relays its output, once the config loads and
+    its loggers can start (package, network): a bad config or a missing logger package is one line
+    on stderr and exit status 2, before any rank starts."""
+    from megarl.config import ConfigError, load_config
+    from megarl.trainer.loggers import LoggerError, check_loggers
+
     p = argparse.ArgumentParser(prog="megarl quickstart")
     p.add_argument("--nproc", type=int, default=2, help="number of ranks (TP=2 by default)")
     p.add_argument("--config", action="append", default=[], help="config files (default configs/quickstart.yaml)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=10")
     a = p.parse_args(argv)
     configs = a.config or [str(DEFAULT_CONFIG)]
+    try:
+        check_loggers(load_config(configs, a.overrides))
+    except (ConfigError, LoggerError) as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     argv = [arg for c in configs for arg in ("--config", c)] + a.overrides
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                PYTHONWARNINGS=os.environ.get("PYTHONWARNINGS", "ignore"))

@@ -10,9 +10,11 @@ people ask of an RL run:
     critic explained variance                       wall time per phase (stacked) and per step
     throughput (tokens/s)
 
-A panel whose metrics the run did not log says so. The HTML page embeds the PNG (base64) and a table
-of each plotted metric's first, last, min and max, so it can be mailed or attached as one file.
-Writes <out>/report.png and <out>/report.html (default out: RUN_DIR) and prints both paths.
+Only the panels with data are drawn, filling a grid without holes (3 across; a last row of fewer
+panels shares the width); the HTML page names the panels the run logged nothing for. The page
+embeds the PNG (base64) and a table of each plotted metric's first, last, min and max, so it can be
+mailed or attached as one file. Writes <out>/report.png and <out>/report.html (default out:
+RUN_DIR) and prints both paths.
 """
 
 from __future__ import annotations
@@ -83,15 +85,43 @@ def matched(panel: Panel, series: Series) -> list[str]:
     return out
 
 
+def has_data(panel: Panel, series: Series) -> bool:
+    return bool(matched(panel, series)) or any(k in series for k in panel.right)
+
+
+def grid(n: int) -> tuple[int, list[tuple[int, int, int]]]:
+    """A grid without holes for n panels: (columns of the grid, [(row, first column, columns spanned)]
+    per panel). Rows hold 3 panels (2 for n = 4, n for n < 3); the last row's panels share the
+    whole width, which the grid's lcm(row width, last row's count) columns divide evenly."""
+    import math
+
+    across = 2 if n == 4 else min(n, 3)
+    rows = -(-n // across)
+    last = n - (rows - 1) * across
+    cols = math.lcm(across, last)
+    cells = []
+    for i in range(n):
+        row, pos = divmod(i, across)
+        width = cols // (last if row == rows - 1 else across)
+        cells.append((row, pos * width, width))
+    return cols, cells
+
+
 def draw(series: Series, title: str):  # noqa: C901 - one loop over the panels
-    """The report figure (matplotlib Figure, no pyplot state)."""
+    """The report figure (matplotlib Figure, no pyplot state): the panels with data, 4 inches a row."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    fig = Figure(figsize=(16, 12), dpi=100, layout="constrained")
+    panels = [p for p in PANELS if has_data(p, series)]
+    if not panels:
+        raise ValueError("none of the report's metrics was logged")
+    cols, cells = grid(len(panels))
+    rows = cells[-1][0] + 1
+    fig = Figure(figsize=(16, 4 * rows), dpi=100, layout="constrained")
     fig.suptitle(title, fontsize=13)
-    axes = fig.subplots(3, 3)
-    for ax, panel in zip(axes.flat, PANELS):
+    spec = fig.add_gridspec(rows, cols)
+    for (row, col, width), panel in zip(cells, panels):
+        ax = fig.add_subplot(spec[row, col:col + width])
         ax.set_title(panel.title, fontsize=11)
         ax.set_xlabel("step")
         if panel.ylabel:
@@ -100,11 +130,6 @@ def draw(series: Series, title: str):  # noqa: C901 - one loop over the panels
         if len(keys) == 2 and "eval/accuracy" in keys:  # one eval set: the mean over sets is that set's curve
             keys.remove("eval/accuracy")
         right = [k for k in panel.right if k in series]
-        if not keys and not right:
-            ax.text(0.5, 0.5, "not logged in this run", ha="center", va="center", color="grey", transform=ax.transAxes)
-            ax.set_xticks([])
-            ax.set_yticks([])
-            continue
         label = _labeller(keys + right)
         if panel.stacked:
             _stacked_times(ax, series, keys)
@@ -171,6 +196,9 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> tuple[Pa
     series, bad = read_metrics(metrics)
     if not series:
         raise ValueError(f"megarl report: {metrics} holds no metrics" + (f" ({bad} unreadable lines)" if bad else ""))
+    if not any(has_data(p, series) for p in PANELS):
+        keys = ", ".join(k for p in PANELS for k in p.keys + list(p.right))
+        raise ValueError(f"megarl report: {metrics} holds none of the metrics the report draws ({keys})")
     title = f"{run.resolve().name}: {_describe(run)}"
     fig = draw(series, title)
     out_dir = Path(out) if out is not None else run
@@ -180,7 +208,8 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> tuple[Pa
     FigureCanvasAgg(fig)
     fig.savefig(buf, format="png")
     png.write_bytes(buf.getvalue())
-    page.write_text(_html(title, buf.getvalue(), summary_rows(series), bad), encoding="utf-8")
+    missing = [p.title for p in PANELS if not has_data(p, series)]
+    page.write_text(_html(title, buf.getvalue(), summary_rows(series), bad, missing), encoding="utf-8")
     return png, page
 
 
@@ -195,9 +224,11 @@ def _describe(run: Path) -> str:
         return "metrics.jsonl"
 
 
-def _html(title: str, png: bytes, rows, bad: int) -> str:
+def _html(title: str, png: bytes, rows, bad: int, missing: list[str]) -> str:
     cells = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>\n" for r in rows)
     note = f"<p>{bad} unreadable line(s) of metrics.jsonl skipped.</p>" if bad else ""
+    if missing:
+        note += f"<p>Not logged in this run (no panel): {html.escape(', '.join(missing))}.</p>"
     return (f"<!DOCTYPE html>\n<html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
             "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
             "td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}td:first-child{text-align:left}</style>"

@@ -59,6 +59,12 @@ logits_local, train_local) run for real through megarl's CPU runtime (gloo) and 
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # run as a file: the same as `python -m tools.gpu_smoke`
+    import sys
+    from pathlib import Path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repository root, not tools/
+    __import__("tools").run_as_module(__file__)
+
 import argparse
 import gc
 import importlib

@@ -11,6 +11,12 @@ offline. With --task-dir also writes sft.jsonl / train.jsonl / eval.jsonl (`mega
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # run as a file: the same as `python -m tools.make_tiny_model`
+    import sys
+    from pathlib import Path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repository root, not tools/
+    __import__("tools").run_as_module(__file__)
+
 import argparse
 
 

@@ -20,6 +20,12 @@ data source (candidates, kept, mean score of all vs kept) is printed and written
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # run as a file: the same as `python -m tools.select_prompts`
+    import sys
+    from pathlib import Path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repository root, not tools/
+    __import__("tools").run_as_module(__file__)
+
 import argparse
 import json
 import sys

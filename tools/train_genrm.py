@@ -15,6 +15,12 @@ orders) is printed and written to <out>/judge_eval.json. Spawns torchrun (gloo o
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # run as a file: the same as `python -m tools.train_genrm`
+    import sys
+    from pathlib import Path
+    sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repository root, not tools/
+    __import__("tools").run_as_module(__file__)
+
 import argparse
 import os
 import sys
@@ -59,8 +65,14 @@ def main(argv: list[str] | None = None) -> int:
     if "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return run(args)
     from megarl.config.cli import config_from_args
+    from megarl.trainer.loggers import LoggerError, check_loggers
 
-    nproc = args.nproc or config_from_args(args).parallel.tp
+    cfg = config_from_args(args)
+    try:
+        check_loggers(cfg)  # the judge's SFT logs through trainer.loggers: a missing package stops here, not in a rank
+    except LoggerError as e:
+        raise SystemExit(f"tools/train_genrm.py: {e}") from None
+    nproc = args.nproc or cfg.parallel.tp
     if nproc == 1:
         return run(args)
     from megarl.parallel.launch import run_module

@@ -390,8 +390,8 @@ class TrainerConfig:
     run_name: str | None = doc_field(None, "W&B / MLflow run name; null = the run dir's name")
     tags: list[str] = doc_field([], "tags of the W&B / MLflow run (MLflow: one tag key per entry)")
     wandb_mode: Literal["online", "offline"] | None = doc_field(
-        None, "W&B mode; offline writes run_dir/wandb only (upload later with `wandb sync`); null = the "
-        "WANDB_MODE environment variable, else online")
+        None, "W&B mode; offline writes run_dir/wandb only ($WANDB_DIR/wandb when WANDB_DIR is set; upload later "
+        "with `wandb sync`); null = the WANDB_MODE environment variable, else online")
     wandb_entity: str | None = doc_field(None, "W&B entity (user or team); null = W&B's default for the API key")
     mlflow_tracking_uri: str | None = doc_field(
         None, "MLflow tracking URI (http(s)://server or a file store path); null = MLFLOW_TRACKING_URI, else a "

@@ -4,7 +4,8 @@
   the quickstart, ``megarl report`` and resumed quickstarts read it.
 - ``tensorboard``: scalars under ``<dir>/tb``.
 - ``wandb``: a W&B run holding the resolved config (``wandb.config``), the tags and every metric
-  at its step; W&B's own files go to ``<dir>/wandb`` (offline mode writes nothing else).
+  at its step; W&B's own files go to ``$WANDB_DIR/wandb`` when WANDB_DIR is set (W&B's own variable,
+  e.g. a scratch disk), else to ``<dir>/wandb`` (offline mode writes nothing else).
 - ``mlflow``: an MLflow run in the experiment ``trainer.project`` holding the resolved config as
   params (dotted keys) and as the artifact ``config.yaml``, the tags (one key per tag, value
   "true") and every metric at its step. With no tracking URI configured the store is
@@ -17,9 +18,11 @@ so a resumed job appends to the same W&B / MLflow run.
 
 Start-up errors are raised as `LoggerError` before the first step, naming the config field: a
 logger whose package is not installed, a W&B or MLflow server that cannot be reached (a TCP
-connect with a short timeout), or a W&B / MLflow client that refuses to start the run. After
-start-up a W&B or MLflow call that fails is logged as a warning and the run goes on; the jsonl
-and TensorBoard files stay complete.
+connect with a short timeout), or a W&B / MLflow client that refuses to start the run. The first
+two need no run: `check_loggers(cfg)` finds them, with the same messages, where the config is loaded
+(the commands that start ranks call it before torchrun, `megarl train` / `sft` on rank 0 before any
+work). After start-up a W&B or MLflow call that fails is logged as a warning and the run goes on;
+the jsonl and TensorBoard files stay complete.
 """
 
 from __future__ import annotations
@@ -138,18 +141,31 @@ def check_reachable(url: str, what: str, timeout_s: float = CONNECT_TIMEOUT_S) -
                           "network, or log offline") from e
 
 
+def wandb_ready(s: LoggerSettings):
+    """(the wandb module, the W&B mode) once the package imports and, online, the server accepts a
+    connection; LoggerError otherwise."""
+    wandb = require("wandb")
+    mode = s.wandb_mode or os.environ.get("WANDB_MODE") or "online"
+    if mode == "online":
+        check_reachable(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"),
+                        "trainer.loggers: wandb (online; trainer.wandb_mode=offline logs without a network)")
+    return wandb, mode
+
+
+def wandb_dir(out: Path) -> str:
+    """Where W&B writes its files (its ``wandb/`` folder): WANDB_DIR when set, else `out`. wandb.init's
+    `dir` argument wins over the variable, so the variable is read here."""
+    return os.environ.get("WANDB_DIR") or str(out)
+
+
 class WandbBackend:
     name = "wandb"
 
     def __init__(self, out: Path, s: LoggerSettings, run_id: str | None):
-        wandb = require("wandb")
-        mode = s.wandb_mode or os.environ.get("WANDB_MODE") or "online"
-        if mode == "online":
-            check_reachable(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"),
-                            "trainer.loggers: wandb (online; trainer.wandb_mode=offline logs without a network)")
+        wandb, mode = wandb_ready(s)
         try:
             self.run = wandb.init(project=s.project, entity=s.wandb_entity, name=s.run_name, tags=s.tags,
-                                  config=s.config, dir=str(out), mode=mode, id=run_id,
+                                  config=s.config, dir=wandb_dir(out), mode=mode, id=run_id,
                                   resume="allow" if run_id else None, reinit="create_new",
                                   settings=wandb.Settings(init_timeout=60.0))
         except Exception as e:  # W&B raises its own error types (no API key, refused login, timeout)
@@ -186,21 +202,25 @@ def flat_params(tree: dict, prefix: str = "") -> dict[str, str]:
     return out
 
 
+def mlflow_ready(uri: str) -> None:
+    """LoggerError unless the MLflow client imports and a server URI (http(s)) accepts a connection."""
+    require("mlflow")
+    if urlparse(uri).scheme in ("http", "https"):
+        check_reachable(uri, "trainer.mlflow_tracking_uri")
+
+
 class MlflowBackend:
     name = "mlflow"
 
     def __init__(self, out: Path, s: LoggerSettings, run_id: str | None):
-        require("mlflow")
+        self.uri = mlflow_uri(s, out)
+        mlflow_ready(self.uri)
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
         from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
 
-        self.uri = mlflow_uri(s, out)
-        scheme = urlparse(self.uri).scheme
-        if scheme == "file":
+        if urlparse(self.uri).scheme == "file":
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-        elif scheme in ("http", "https"):
-            check_reachable(self.uri, "trainer.mlflow_tracking_uri")
         try:
             self.client = MlflowClient(tracking_uri=self.uri)
             exp = self.client.get_experiment_by_name(s.project)
@@ -269,6 +289,19 @@ class Guarded:
 
     def close(self) -> None:
         self._call("closing", self.backend.close)
+
+
+def check_loggers(cfg) -> None:
+    """The start-up checks that need no run, made where the config is loaded (before torchrun starts
+    ranks, before a model is built): the W&B / MLflow package of each logger of `trainer.loggers`
+    imports, and an online W&B or an MLflow server accepts a TCP connection. LoggerError with the
+    messages `open_backends` would raise otherwise."""
+    s = LoggerSettings.from_config(cfg)
+    for name in s.names:
+        if name == "wandb":
+            wandb_ready(s)
+        elif name == "mlflow":
+            mlflow_ready(mlflow_uri(s, Path(cfg.trainer.run_dir)))
 
 
 def open_backends(out: Path, s: LoggerSettings) -> list:

@@ -1,6 +1,7 @@
 """trainer.loggers (megarl.trainer.loggers): W&B offline and an MLflow file store hold the config,
 tags and per-step metrics and continue the same run on resume (read back with their own readers);
-start-up errors are clear; failures after start-up do not end the run."""
+W&B's files go to WANDB_DIR when it is set; start-up errors are clear; failures after start-up do
+not end the run."""
 
 import json
 import socket
@@ -12,6 +13,12 @@ from megarl.config import ConfigError, load_config
 from megarl.trainer.loggers import Guarded, LoggerError
 from megarl.trainer.metrics import MetricsLogger
 from tests.unit.readback import mlflow_runs, wandb_runs
+
+
+@pytest.fixture(autouse=True)
+def no_wandb_dir(monkeypatch):
+    """W&B's files under <run_dir>/wandb, as the tests read them, whatever the caller's WANDB_DIR."""
+    monkeypatch.delenv("WANDB_DIR", raising=False)
 
 
 def config(run_dir, *overrides):
@@ -54,6 +61,21 @@ def test_wandb_and_mlflow_hold_config_tags_metrics_and_resume_the_same_run(tmp_p
     assert ml["tags"]["seed1"] == ml["tags"]["tiny"] == "true"
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[0]["actor/entropy"] is None
+
+
+@pytest.mark.parametrize("set_wandb_dir", [True, False])
+def test_wandb_files_go_to_wandb_dir_when_it_is_set_else_to_the_run_dir(tmp_path, monkeypatch, set_wandb_dir):
+    run, scratch = tmp_path / "run", tmp_path / "scratch"  # scratch does not exist yet: W&B makes it
+    if set_wandb_dir:
+        monkeypatch.setenv("WANDB_DIR", str(scratch))
+    logger = MetricsLogger(run, cfg=config(run, "trainer.loggers=[jsonl, wandb]"))
+    logger.log(1, {"reward/mean": 0.5})
+    logger.close()
+    home, elsewhere = (scratch, run) if set_wandb_dir else (run, scratch)
+    (wb,) = wandb_runs(home)
+    assert wb["summary"]["name"] == "run" and wb["history"] == {1: {"reward/mean": 0.5}}
+    assert not (elsewhere / "wandb").exists()
+    assert (run / "metrics.jsonl").is_file() and (run / "loggers.json").is_file()  # the rest stays in the run dir
 
 
 def test_a_fresh_start_in_the_same_dir_is_a_new_run(tmp_path):

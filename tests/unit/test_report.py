@@ -1,11 +1,12 @@
-"""megarl report: the panels read the run's metrics.jsonl; PNG and self-contained HTML are written."""
+"""megarl report: the panels read the run's metrics.jsonl; only panels with data are drawn, in a grid
+without holes; PNG and self-contained HTML are written."""
 
 import json
 
 import pytest
 from PIL import Image
 
-from megarl.report import PANELS, main, matched, read_metrics, write_report
+from megarl.report import PANELS, grid, main, matched, read_metrics, write_report
 
 
 def write_run(run, rows, extra_lines=()):
@@ -45,6 +46,7 @@ def test_png_and_html_are_written_and_name_the_metrics(tmp_path, capsys):
     text = page.read_text()
     assert "data:image/png;base64," in text and "<td>reward/mean</td><td>-0.8</td><td>-0.123</td>" in text
     assert "<td>time/rollout</td>" in text and "critic/explained_variance" not in text
+    assert "<p>Not logged in this run (no panel): Critic explained variance.</p>" in text
 
 
 def test_a_dir_without_metrics_is_a_clear_error(tmp_path, capsys):
@@ -62,7 +64,7 @@ def test_each_panel_plots_the_run_s_curves(tmp_path):
     series, _ = read_metrics(tmp_path / "metrics.jsonl")
     fig = draw(series, "t")
     panels = {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
-    assert list(panels) == [p.title for p in PANELS]
+    assert list(panels) == [p.title for p in PANELS if p.title != "Critic explained variance"]  # no critic logged
 
     def curves(title):
         ax = panels[title]
@@ -77,5 +79,55 @@ def test_each_panel_plots_the_run_s_curves(tmp_path):
     assert len(panels["Time per phase"].collections) == 2  # rollout and actor_update stacked
     clip = [a for a in fig.axes if a.get_ylabel() == "clip_ratio"]
     assert [list(line.get_ydata()) for line in clip[0].get_lines()] == [[0.1, 0.1, 0.1]]
-    critic = panels["Critic explained variance"]
-    assert curves("Critic explained variance") == {} and "not logged" in critic.texts[0].get_text()
+    assert not [t.get_text() for ax in fig.axes for t in ax.texts]  # no placeholder panel
+
+
+def rows_of_panels(fig) -> dict[int, list[tuple[int, int]]]:
+    """{grid row: [(first column, last column + 1), ...] of its panels, left to right}."""
+    rows = {}
+    for ax in fig.axes:
+        if ax.get_title():  # twin axes (the right y axis) share their panel's cell
+            spec = ax.get_subplotspec()
+            rows.setdefault(spec.rowspan.start, []).append((spec.colspan.start, spec.colspan.stop))
+    return {r: sorted(cells) for r, cells in sorted(rows.items())}
+
+
+@pytest.mark.parametrize("drop, widths", [
+    ([], [[1, 1, 1]] * 3),  # all 9 panels: 3 x 3
+    (["critic/explained_variance"], [[2, 2, 2], [2, 2, 2], [3, 3]]),  # the DAPO quickstart's 8: the last row halves
+    (["critic/explained_variance", "perf/tokens_per_s"], [[1, 1, 1], [1, 1, 1], [3]]),  # 7: the last panel is wide
+    (["critic/explained_variance", "perf/tokens_per_s", "time/*", "actor/grad_norm", "actor/approx_kl"],
+     [[1, 1], [1, 1]]),  # 4: 2 x 2
+])
+def test_the_panels_with_data_fill_the_grid_without_holes(tmp_path, drop, widths):
+    from megarl.report import draw
+
+    rows = [dict(r) for r in ROWS]
+    for r in rows:
+        if "critic/explained_variance" in r:
+            r["critic/explained_variance"] = 0.5
+        for key in [k for k in r for d in drop if k == d or (d.endswith("*") and k.startswith(d[:-1]))]:
+            del r[key]
+    write_run(tmp_path, rows)
+    series, _ = read_metrics(tmp_path / "metrics.jsonl")
+    fig = draw(series, "t")
+    got = rows_of_panels(fig)
+    assert [[b - a for a, b in cells] for cells in got.values()] == widths
+    full = sum(widths[0])  # the grid's width in columns
+    for cells in got.values():  # each row: panels side by side from the left edge to the right one
+        assert cells[0][0] == 0 and cells[-1][1] == full and all(a[1] == b[0] for a, b in zip(cells, cells[1:]))
+    assert fig.get_size_inches()[1] == 4 * len(widths)
+    assert not [t.get_text() for ax in fig.axes for t in ax.texts]
+
+
+def test_grid_shapes():
+    assert grid(1) == (1, [(0, 0, 1)])
+    assert grid(4) == (2, [(0, 0, 1), (0, 1, 1), (1, 0, 1), (1, 1, 1)])
+    assert grid(5) == (6, [(0, 0, 2), (0, 2, 2), (0, 4, 2), (1, 0, 3), (1, 3, 3)])
+    assert grid(8) == (6, [(0, 0, 2), (0, 2, 2), (0, 4, 2), (1, 0, 2), (1, 2, 2), (1, 4, 2), (2, 0, 3), (2, 3, 3)])
+
+
+def test_a_run_without_any_drawn_metric_is_a_clear_error(tmp_path):
+    write_run(tmp_path, [{"step": 1, "sft/nll": 2.0}])
+    with pytest.raises(ValueError, match="none of the metrics the report draws"):
+        write_report(tmp_path)

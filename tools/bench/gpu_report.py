@@ -8,6 +8,13 @@ benchmark rows.
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # run as a file: the same as `python -m tools.bench.gpu_report`
+    import sys
+    from pathlib import Path
+    sys.path[0] = str(Path(__file__).resolve().parents[2])  # the repository root, not tools/bench/
+    __import__("tools").run_as_module(__file__)
+
+import argparse
 import json
 import re
 import sys
@@ -142,7 +149,9 @@ def bench_rows(out: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    out = Path((argv or sys.argv[1:] or ["gpu_out"])[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out", nargs="?", default="gpu_out", help="the session's output folder (default gpu_out)")
+    out = Path(p.parse_args(argv).out)
     device = (out / "device.txt").read_text().strip() if (out / "device.txt").exists() else "unknown device"
     versions = (out / "versions.txt").read_text().strip() if (out / "versions.txt").exists() else ""
     print(f"GPU session: {device}" + (f"\n{versions}" if versions else "") + "\n")

@@ -9,6 +9,12 @@ exactly --new-tokens tokens and both produce the same token count. Prompt length
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # run as a file: the same as `python -m tools.bench.rollout`
+    import sys
+    from pathlib import Path
+    sys.path[0] = str(Path(__file__).resolve().parents[2])  # the repository root, not tools/bench/
+    __import__("tools").run_as_module(__file__)
+
 import argparse
 import tempfile
 import time

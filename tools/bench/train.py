@@ -53,6 +53,12 @@ a configuration that runs out of GPU memory is reported as OOM and the next one 
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # run as a file: the same as `python -m tools.bench.train`
+    import sys
+    from pathlib import Path
+    sys.path[0] = str(Path(__file__).resolve().parents[2])  # the repository root, not tools/bench/
+    __import__("tools").run_as_module(__file__)
+
 import argparse
 import gc
 import json

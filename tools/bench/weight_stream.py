@@ -12,6 +12,12 @@ and prints GB/s of each and their ratio (HF bytes delivered per second on every 
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # run as a file: the same as `python -m tools.bench.weight_stream`
+    import sys
+    from pathlib import Path
+    sys.path[0] = str(Path(__file__).resolve().parents[2])  # the repository root, not tools/bench/
+    __import__("tools").run_as_module(__file__)
+
 import argparse
 import os
 import sys

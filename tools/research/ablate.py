@@ -18,6 +18,12 @@ the sum of the RL steps' `time/step` and the quickstart's wall time.
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # run as a file: the same as `python -m tools.research.ablate`
+    import sys
+    from pathlib import Path
+    sys.path[0] = str(Path(__file__).resolve().parents[2])  # the repository root, not tools/research/
+    __import__("tools").run_as_module(__file__)
+
 import argparse
 import json
 import math

@@ -15,6 +15,12 @@ steps. Measurement tool only.
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # run as a file: the same as `python -m tools.research.probe_arith_grpo`
+    import sys
+    from pathlib import Path
+    sys.path[0] = str(Path(__file__).resolve().parents[2])  # the repository root, not tools/research/
+    __import__("tools").run_as_module(__file__)
+
 import argparse
 import json
 import random
@@ -61,8 +67,6 @@ def greedy_accuracy(model, tok, rows: list[dict], max_new: int) -> float:
 
 
 def main() -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     p = argparse.ArgumentParser()
     p.add_argument("--init", required=True, help="HF model + tokenizer directory")
     p.add_argument("--task-dir", required=True, help="directory with train.jsonl and eval.jsonl")
@@ -70,6 +74,8 @@ def main() -> None:
     p.add_argument("--mini-batch", type=int, default=64, help="samples per optimizer step")
     add_options(p, lr=1e-4, clip=0.2, temperature=1.0, max_new=80, eval_every=10, threads=2, seed=0)
     a = p.parse_args()
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # after the arguments: --help stays quick
+
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
     rng = random.Random(a.seed)

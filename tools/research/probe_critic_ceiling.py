@@ -36,6 +36,12 @@ quickstart's: one token per character), as the oracle maps characters to tokens.
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # run as a file: the same as `python -m tools.research.probe_critic_ceiling`
+    import sys
+    from pathlib import Path
+    sys.path[0] = str(Path(__file__).resolve().parents[2])  # the repository root, not tools/research/
+    __import__("tools").run_as_module(__file__)
+
 import argparse
 import json
 from pathlib import Path
@@ -242,13 +248,6 @@ def fit_critic(critic: tuple[torch.nn.Module, torch.nn.Linear], seqs: list[tuple
 
 
 def main(argv=None) -> None:
-    from transformers import AutoModelForCausalLM
-
-    from megarl.data.templates import apply_template
-    from megarl.rollout import SamplingParams
-    from megarl.rollout.builtin import BuiltinEngine
-    from megarl.tasks.arith import cot_lines
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--policy", required=True, help="HF dir of the policy that samples")
     p.add_argument("--trunks", default="", help="comma-separated HF dirs whose hidden states are probed")
@@ -272,6 +271,13 @@ def main(argv=None) -> None:
                    help="K: estimate the true value function's EV from K continuations per scored position")
     p.add_argument("--mc-stride", type=int, default=1, help="score every n-th response position")
     a = p.parse_args(argv)
+    from transformers import AutoModelForCausalLM  # after the arguments: --help stays quick
+
+    from megarl.data.templates import apply_template
+    from megarl.rollout import SamplingParams
+    from megarl.rollout.builtin import BuiltinEngine
+    from megarl.tasks.arith import cot_lines
+
     rows = [json.loads(x) for x in Path(a.task).read_text().splitlines()[: a.prompts]]
     engine = BuiltinEngine.from_pretrained(a.policy)
     tok = engine.tokenizer

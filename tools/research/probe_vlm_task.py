@@ -38,6 +38,12 @@ seed 1 0.175 at step 100, 0.51 at 250 (then GRPO 40 steps: 0.735), 0.985 at 400;
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # run as a file: the same as `python -m tools.research.probe_vlm_task`
+    import sys
+    from pathlib import Path
+    sys.path[0] = str(Path(__file__).resolve().parents[2])  # the repository root, not tools/research/
+    __import__("tools").run_as_module(__file__)
+
 import argparse
 import random
 import time

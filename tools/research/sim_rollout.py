@@ -32,6 +32,12 @@ metrics.jsonl rows, sampled by linear interpolation of the inverse CDF.
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # run as a file: the same as `python -m tools.research.sim_rollout`
+    import sys
+    from pathlib import Path
+    sys.path[0] = str(Path(__file__).resolve().parents[2])  # the repository root, not tools/research/
+    __import__("tools").run_as_module(__file__)
+
 import argparse
 import json
 from dataclasses import dataclass

@@ -19,6 +19,12 @@ Errors are relative: ||x - ref|| / ||ref||; bf16 rounding alone gives ~4e-3.
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # run as a file: the same as `python -m tools.smoke.attention`
+    import sys
+    from pathlib import Path
+    sys.path[0] = str(Path(__file__).resolve().parents[2])  # the repository root, not tools/smoke/
+    __import__("tools").run_as_module(__file__)
+
 import math
 import sys
 import time
@@ -172,7 +178,10 @@ def mla_check(device: str) -> dict:
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

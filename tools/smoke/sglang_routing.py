@@ -17,6 +17,12 @@ random Qwen3-MoE written here, generates, and checks what comes back:
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # run as a file: the same as `python -m tools.smoke.sglang_routing`
+    import sys
+    from pathlib import Path
+    sys.path[0] = str(Path(__file__).resolve().parents[2])  # the repository root, not tools/smoke/
+    __import__("tools").run_as_module(__file__)
+
 import subprocess
 import sys
 from pathlib import Path
@@ -138,4 +144,8 @@ def verdict(samples: Sequence, shape: tuple[int, int, int], model_dir: str | Pat
 
 
 if __name__ == "__main__":
-    print(write_tiny_moe(sys.argv[1]))
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_dir", help="where to write the tiny Qwen3-MoE (HF safetensors)")
+    print(write_tiny_moe(parser.parse_args().out_dir))
