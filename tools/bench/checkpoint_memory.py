@@ -22,6 +22,12 @@ parameters).
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # run as a file: the same as `python -m tools.bench.checkpoint_memory`
+    import sys
+    from pathlib import Path
+    sys.path[0] = str(Path(__file__).resolve().parents[2])  # the repository root, not tools/bench/
+    __import__("tools").run_as_module(__file__)
+
 import argparse
 import gc
 import json

@@ -20,6 +20,12 @@ counted from the model's tensors instead of the GPU allocator): tests/distribute
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # run as a file: the same as `python -m tools.smoke.offload`
+    import sys
+    from pathlib import Path
+    sys.path[0] = str(Path(__file__).resolve().parents[2])  # the repository root, not tools/smoke/
+    __import__("tools").run_as_module(__file__)
+
 from typing import Callable
 
 # |main_grad norm - twin's| / twin's after a round trip: the same kernels on the same inputs (bf16)
@@ -107,3 +113,17 @@ def round_trip_check(make_model: Callable, batch, loss_fn, tol_rel: float = 0.1)
         raise ValueError(f"weights after the round trips differ from the twin's: |dW| / |update| {rel:.3g} > {tol_rel}")
     return ("use_distributed_optimizer=false: DDP's gradient accumulators kept; " + "; ".join(notes)
             + f"; vs twin |dW|/|update| {rel:.3g}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """A check of gpu_smoke, not a tool of its own: says how to run it."""
+    import argparse
+
+    argparse.ArgumentParser(prog="python -m tools.smoke.offload", description=__doc__.splitlines()[0]
+                            + " Run it as: python -m tools.gpu_smoke --only offload_plain").parse_args(argv)
+    print("python -m tools.gpu_smoke --only offload_plain")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
