@@ -165,6 +165,12 @@ class RolloutConfig:
         "megarl.trainer.step_collector.collect_step_batch; null = the builtin one"
     )
     weight_bucket_mb: int = doc_field(512, "bucket size for streaming weights into the engine (MiB)")
+    weights_dtype: str = doc_field(
+        "bf16", "the rollout engine's weights: bf16 (as trained), or fp8: the stream quantizes the linear weights "
+        "of attention and MLP to block FP8 (128 x 128 blocks, float32 scales; megarl.weights.fp8_blocks), SGLang "
+        "serves them in FP8 (half the engine's weight memory), the builtin engine dequantizes them; the log-prob "
+        "mismatch this adds is what algorithm.rollout_is corrects"
+    )
     mem_fraction: float = doc_field(0.6, "GPU memory fraction the engine reserves for weights + KV cache (SGLang mem_fraction_static)")
     kv_cache_gb: float | None = doc_field(
         None, "builtin engine: refuse a generate call whose KV cache (layers * 2 * batch * (prompt + max_new) * "
@@ -176,6 +182,16 @@ class RolloutConfig:
     )
     sglang_chunked_prefill_size: int | None = doc_field(
         None, "SGLang chunked_prefill_size (prefill tokens per forward; -1 = no chunking); null = SGLang's default"
+    )
+    sglang_dp_size: int = doc_field(
+        1, "SGLang attention data parallelism inside one engine (dp_size with enable_dp_attention when > 1): the "
+        "engine's parallel.rollout_tp GPUs form that many attention groups, each holding its own sequences' KV "
+        "cache, so the engine's KV pool grows with its GPUs; MoE models, with rollout.sglang_ep_size"
+    )
+    sglang_ep_size: int = doc_field(
+        1, "SGLang expert parallelism inside one engine (ep_size): its routed experts split over that many of the "
+        "engine's GPUs (a divisor of parallel.rollout_tp); the weight sync then sends each engine GPU only the "
+        "experts it hosts"
     )
     sglang_server_args: dict[str, Any] = doc_field(
         {}, "further sglang.Engine keyword arguments (ServerArgs fields), e.g. {attention_backend: triton, "

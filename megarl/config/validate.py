@@ -88,6 +88,7 @@ def validate_config(cfg: MegaRLConfig, where: Callable[[str], str] | None = None
     e.check(r.max_new_tokens >= 1, "rollout.max_new_tokens", f"must be >= 1, got {r.max_new_tokens}")
     e.check(0 < r.mem_fraction < 1, "rollout.mem_fraction", f"must be in (0, 1), got {r.mem_fraction}")
     e.check(r.weight_bucket_mb >= 1, "rollout.weight_bucket_mb", f"must be >= 1, got {r.weight_bucket_mb}")
+    e.check(r.weights_dtype in ("bf16", "fp8"), "rollout.weights_dtype", f"must be bf16 or fp8, got {r.weights_dtype!r}")
     e.check(not r.sync_from_host or r.offload_train_state, "rollout.sync_from_host",
             "streams the weights from where rollout.offload_train_state puts them: set that true too")
     e.check(not r.fire or (r.fire_temperature > 0 and r.fire_top_k >= 1), "rollout.fire_top_k", "FIRE needs fire_temperature > 0 and fire_top_k >= 1")
@@ -106,6 +107,11 @@ def validate_config(cfg: MegaRLConfig, where: Callable[[str], str] | None = None
     e.check(not taken, "rollout.sglang_server_args",
             "megarl sets " + ", ".join(f"{k} ({MEGARL_SERVER_ARGS[k]})" for k in taken) + " itself: remove "
             + ("it" if len(taken) == 1 else "them"))
+    tp = cfg.parallel.rollout_tp
+    e.check(r.sglang_dp_size >= 1 and tp % r.sglang_dp_size == 0, "rollout.sglang_dp_size",
+            f"must divide parallel.rollout_tp ({tp}), got {r.sglang_dp_size}")
+    e.check(r.sglang_ep_size >= 1 and tp % r.sglang_ep_size == 0, "rollout.sglang_ep_size",
+            f"must divide parallel.rollout_tp ({tp}), got {r.sglang_ep_size}")
     chunk = r.sglang_chunked_prefill_size
     e.check(chunk is None or chunk == -1 or chunk >= 1, "rollout.sglang_chunked_prefill_size",
             f"must be >= 1, -1 (no chunking) or null, got {chunk}")
@@ -228,6 +234,9 @@ MEGARL_SERVER_ARGS = {
     "dtype": "(the engine's dtype argument)", "load_format": "(the engine's load_format argument)",
     "base_gpu_id": "(this rank's GPU)", "random_seed": "(the engine's random_seed argument)",
     "enable_weights_cpu_backup": "(the engine's argument)", "skip_tokenizer_init": "(whether the model has tokenizer files)",
+    "dp_size": "rollout.sglang_dp_size", "enable_dp_attention": "rollout.sglang_dp_size", "ep_size": "rollout.sglang_ep_size",
+    "nnodes": "(parallel.rollout_tp / parallel.gpus_per_node)", "node_rank": "(the engine's node)",
+    "dist_init_addr": "(the engine owner's address)",
 }
 
 

@@ -239,13 +239,13 @@ class Arch:
         heads_per_gpu = self.kv_heads / rollout_tp if self.kv_heads >= rollout_tp else 1
         return 2 * self.layers * heads_per_gpu * self.head_dim * 2
 
-    def engine_weight_bytes(self, rollout_tp: int, lm_only: bool = False) -> float:
+    def engine_weight_bytes(self, rollout_tp: int, lm_only: bool = False, fp8: bool = False) -> float:
         """The rollout engine's weights on one GPU: 2 bytes per parameter / rollout_tp, or with a
-        block-FP8 checkpoint 1 byte (+ block scales) per parameter but the embeddings'
-        (megarl/planner/mla.py); lm_only: without the vision tower."""
+        block-FP8 checkpoint (or fp8: rollout.weights_dtype=fp8) 1 byte (+ block scales) per
+        parameter but the embeddings' (megarl/planner/mla.py); lm_only: without the vision tower."""
         total = self.lm_params() if lm_only else self.total_params()
         emb = self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
-        return engine_weight_bytes(total, emb, self.fp8) / rollout_tp
+        return engine_weight_bytes(total, emb, self.fp8 or fp8) / rollout_tp
 
 
 def load_arch(cfg: MegaRLConfig, model_json: str | None = None) -> tuple[Arch, dict, str]:

@@ -100,15 +100,16 @@ def plan(cfg: MegaRLConfig, arch: Arch, hf: dict, gpu: GPU, reserve_gib: float =
 
     # rollout phase: engine share (static reservation) + whatever training state stays resident
     engine_share = r.mem_fraction * cap
-    engine_weights = arch.engine_weight_bytes(p.rollout_tp)
+    engine_weights = arch.engine_weight_bytes(p.rollout_tp, fp8=r.weights_dtype == "fp8")
     kv_pool = engine_share - engine_weights
     kv_tokens = max(kv_pool, 0.0) / arch.kv_bytes_per_token(p.rollout_tp)
     resident_rollout = 0.0 if r.offload_train_state else sum(s.resident for s in states)
     rollout_peak = resident_rollout + engine_share + reserve
     longest = cfg.data.max_prompt_len + r.max_new_tokens
     if engine_weights >= engine_share:
-        fmt = "block-FP8" if arch.fp8 else "bf16"
-        bigger = "" if arch.fp8 else ", or start the engine from an FP8 checkpoint (half the bytes)"
+        fp8 = arch.fp8 or r.weights_dtype == "fp8"
+        fmt = "block-FP8" if fp8 else "bf16"
+        bigger = "" if fp8 else ", or serve FP8 weights: rollout.weights_dtype=fp8 (half the bytes)"
         problems.append(
             f"rollout: one engine's {fmt} weights need {engine_weights / GIB:.1f} GiB per GPU at rollout_tp="
             f"{p.rollout_tp}, more than its share rollout.mem_fraction x capacity = {engine_share / GIB:.1f} GiB, "
@@ -202,7 +203,7 @@ def step_time(cfg: MegaRLConfig, arch: Arch, gpu: GPU, world: int, kv_tokens: fl
     seqs_per_engine = math.ceil(gen_prompts * r.n_samples_per_prompt / max(engines, 1))
     concurrent = max(1, min(seqs_per_engine, int(kv_tokens // seq)))
     steps = max(gen_cap, math.ceil(seqs_per_engine * resp / concurrent))
-    weight_bytes = arch.engine_weight_bytes(p.rollout_tp, lm_only=True)  # a decode batch touches nearly every expert
+    weight_bytes = arch.engine_weight_bytes(p.rollout_tp, lm_only=True, fp8=r.weights_dtype == "fp8")  # every expert
     kv_read = concurrent * (seq / 2) * arch.kv_bytes_per_token(p.rollout_tp)
     t_mem = (weight_bytes + kv_read) / (gpu.hbm_bytes_per_s * decode_eff)
     t_flops = 2.0 * n_actor * concurrent / (p.rollout_tp * gpu.bf16_flops * decode_eff)

@@ -53,6 +53,7 @@ from megarl.rollout.sampling import sample_tokens, segment_budget, token_sampler
 from megarl.rollout.torch_model import (
     DecoderLM, KVCache, ModelArgs, check_kv_cache_budget, model_args_from_hf_config)
 from megarl.rollout.torch_moe import RoutingTape, sample_routing
+from megarl.weights.fp8_blocks import dequantized_stream
 # registers the vision-language families of MODEL_FAMILIES (model_args_from_hf_config)
 from megarl.rollout.torch_qwen3_vl import vision_lm_class
 from megarl.rollout.torch_mla import past_last_layer  # (also registers deepseek_v3, kimi_k2, glm4_moe)
@@ -158,7 +159,7 @@ class BuiltinEngine:
         params = dict(self.model.named_parameters())
         seen: set[str] = set()
         try:
-            for bucket in stream:
+            for bucket in dequantized_stream(stream):  # FP8 rollout weights: W = Q * S (megarl.weights.fp8_blocks)
                 for name, tensor in bucket:
                     key = self._param_key(name)
                     if key is None:

@@ -174,12 +174,30 @@ def build_engine(cfg: MegaRLConfig, hf_config, tokenizer):
                            kv_cache_gb=cfg.rollout.kv_cache_gb)
     from megarl.rollout.sglang.requests import server_args
 
-    return make_engine("sglang", model_path=cfg.model.hf_path, group=engine_group(cfg.parallel.rollout_tp),
-                       return_routed_experts=cfg.algorithm.routing_replay, **server_args(cfg))
+    model_path, extra = cfg.model.hf_path, {}
+    if cfg.rollout.weights_dtype == "fp8":  # SGLang serves the block-FP8 weights the stream sends
+        model_path, extra = fp8_engine_dir(cfg), {"load_format": "dummy"}
+    return make_engine("sglang", model_path=model_path, group=engine_group(cfg.parallel.rollout_tp),
+                       return_routed_experts=cfg.algorithm.routing_replay, **server_args(cfg), **extra)
+
+
+def fp8_engine_dir(cfg: MegaRLConfig) -> str:
+    """<trainer.run_dir>/engine_fp8: model.hf_path's config (FP8 quantization_config) and tokenizer,
+    written by rank 0 for every node's SGLang (rollout.sglang.weights.fp8_engine_checkpoint)."""
+    import torch.distributed as dist
+
+    from megarl.rollout.sglang.weights import fp8_engine_checkpoint
+
+    out = Path(cfg.trainer.run_dir) / "engine_fp8"
+    if dist.get_rank() == 0:
+        fp8_engine_checkpoint(cfg.model.hf_path, out)
+    dist.barrier()
+    return str(out)
 
 
 def engine_group(tp: int, timeout: timedelta | None = None):
-    """The gloo group of the `tp` consecutive ranks (one node) that share this rank's engine.
+    """The gloo group of the `tp` consecutive ranks (part of one node, or whole nodes) that share
+    this rank's engine.
 
     Every rank creates every group (torch.distributed requires it); None when tp == 1. The
     ranks that own no engine wait on this group while the owner starts the engine or generates,
@@ -195,9 +213,9 @@ def engine_group(tp: int, timeout: timedelta | None = None):
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if tp == 1:
         return None
-    if world % tp or local % tp:
-        raise ValueError(f"parallel.rollout_tp={tp} must divide the ranks per node ({local}) and the world ({world}): "
-                         "an engine's ranks must share a node")
+    if world % tp or (local % tp and tp % local):
+        raise ValueError(f"parallel.rollout_tp={tp} must divide the world ({world}) and either divide the ranks per "
+                         f"node ({local}) or be a multiple of them: an engine takes part of one node or whole nodes")
     mine = None
     for start in range(0, world, tp):
         group = dist.new_group(list(range(start, start + tp)), backend="gloo", timeout=timeout)

@@ -101,8 +101,10 @@ class RunComponents:
         the trainer's weights + the engine's + one bucket. What is off stays off until
         `generation` moves the rest and brings everything back for training (or `save`). With
         rollout.sync_from_host the actor's weights leave too and stream from their host copies,
-        bucket by bucket: the peak is the engine's weights + the stream's buffers."""
+        bucket by bucket: the peak is the engine's weights + the stream's buffers. With
+        rollout.weights_dtype=fp8 each bucket's linear weights leave quantized to block FP8."""
         from megarl.weights import stream_hf_weights
+        from megarl.weights.fp8_blocks import quantized_stream
 
         ro = self.cfg.rollout
         with self.timer("weight_sync"):
@@ -110,8 +112,11 @@ class RunComponents:
                 for m in self.train_models:
                     m.offload(weights=m is not self.actor or ro.sync_from_host)
             self.engine.resume_memory(**self._tags(["weights"]))
-            self.engine.update_weights(stream_hf_weights(self.actor.modules, self.hf_config, ro.weight_bucket_mb << 20,
-                                                         source=self.actor.host_weight if ro.sync_from_host else None))
+            hosted = getattr(self.engine, "hosted_experts", None)  # an engine with expert parallelism
+            stream = stream_hf_weights(self.actor.modules, self.hf_config, ro.weight_bucket_mb << 20,
+                                       source=self.actor.host_weight if ro.sync_from_host else None,
+                                       want_expert=None if hosted is None else lambda layer, e: e in hosted)
+            self.engine.update_weights(quantized_stream(stream) if ro.weights_dtype == "fp8" else stream)
         self.worker.policy_version = version
 
     def evaluate(self, step: int) -> dict[str, float]:

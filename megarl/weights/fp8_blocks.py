@@ -12,6 +12,12 @@ its rows or columns of Q and the scale blocks that cover them); the `_scale_inv`
 separate names. `quantize(w)` is the inverse direction, for an SGLang engine started from such a
 checkpoint (megarl.rollout.sglang): per block S = max|W| / 448 (448: the largest e4m3 value),
 Q = W / S rounded to e4m3, as DeepSeek's own conversion does.
+
+FP8 rollout weights (rollout.weights_dtype=fp8): the weight stream's buckets leave the trainer with
+the linear weights quantized so (`quantized_stream`, `quantizable`: what an FP8 checkpoint of
+Qwen3 / DeepSeek-V3 / GLM-4.5 stores in FP8); an engine that computes in floating point takes them
+back with `dequantized_stream`, SGLang serves them as they are (`FP8_QUANTIZATION_CONFIG` in the
+config.json it starts from).
 """
 
 from __future__ import annotations
@@ -53,6 +59,56 @@ def quantize(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torc
     scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / E4M3_MAX
     q = (blocks / scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).view(nb * br, kb * bc)[:n, :k]
     return q.to(torch.float8_e4m3fn), scale
+
+
+Bucket = list[tuple[str, torch.Tensor]]
+# what an engine's config.json says to serve block-FP8 weights (SGLang's Fp8Config reads it)
+FP8_QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                           "weight_block_size": [128, 128]}
+_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
+           "kv_b_proj", "gate_proj", "up_proj", "down_proj", "gate_up_proj")
+
+
+def quantizable(name: str, t: torch.Tensor) -> bool:
+    """A 2-D linear weight of a decoder layer's attention or MLP (routed and shared experts
+    included): what FP8 checkpoints store in FP8. Not the router's gate, embeddings, lm_head,
+    norms, biases or the vision tower, which stay in the stream's dtype."""
+    if t.dim() != 2 or not t.is_floating_point() or t.dtype == torch.float8_e4m3fn or not name.endswith(".weight"):
+        return False
+    if ".layers." not in name or "visual" in name or "vision" in name:
+        return False
+    return name.rsplit(".", 2)[-2] in _LINEAR
+
+
+def quantized_stream(buckets, select=quantizable, block: tuple[int, int] = (128, 128)):
+    """Each bucket with the tensors `select(name, tensor)` picks replaced by their block-FP8 values
+    and `_scale_inv` scales, in the same bucket."""
+    for bucket in buckets:
+        out: Bucket = []
+        for name, t in bucket:
+            if select(name, t):
+                q, scale = quantize(t, block)
+                out += [(name, q), (name + SCALE_SUFFIX, scale)]
+            else:
+                out.append((name, t))
+        yield out
+
+
+def dequantized_stream(buckets, block: tuple[int, int] = (128, 128), dtype: torch.dtype = torch.float32):
+    """The inverse of `quantized_stream`: every FP8 `<name>` of a bucket with its `<name>_scale_inv`
+    (the same bucket) becomes W = Q * S in `dtype`; other tensors pass."""
+    for bucket in buckets:
+        scales = {n[: -len(SCALE_SUFFIX)]: t for n, t in bucket if n.endswith(SCALE_SUFFIX)}
+        out: Bucket = []
+        for name, t in bucket:
+            if name.endswith(SCALE_SUFFIX):
+                continue
+            if t.dtype == torch.float8_e4m3fn:
+                if name not in scales:
+                    raise ValueError(f"FP8 weight {name!r} arrived without its {name + SCALE_SUFFIX} in the same bucket")
+                t = dequantize(t, scales[name], block).to(dtype)
+            out.append((name, t))
+        yield out
 
 
 class DequantizedCheckpoint:

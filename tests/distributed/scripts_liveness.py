@@ -549,6 +549,27 @@ def obs_generation_offloads(ctx, cfg):
     return len(calls)
 
 
+def obs_sync_dtypes(ctx, cfg):
+    """The dtypes of the tensors the engine gets in a weight sync, with their counts."""
+    run = _run_components(ctx, cfg)
+    engine, seen = run.engine, {}
+    real = engine.update_weights
+
+    def counting(stream):
+        buckets = [list(b) for b in stream]
+        for b in buckets:
+            for _, t in b:
+                seen[str(t.dtype)] = seen.get(str(t.dtype), 0) + 1
+        real(iter(buckets))
+
+    engine.update_weights = counting
+    try:
+        run.sync_weights(0)
+    finally:
+        engine.update_weights = real
+    return sorted(seen.items())
+
+
 def obs_sync_offloads(ctx, cfg):
     """What the weight sync moves off the GPU first: (model, with its weights) per offload call."""
     run = _run_components(ctx, cfg)
@@ -739,6 +760,7 @@ WITNESSES = {
     "rollout.weight_bucket_mb": W("4", obs_sync_buckets, "model.hf_path={root}/model_c"),
     "rollout.offload_train_state": W("false", obs_generation_offloads),
     "rollout.sync_from_host": W("true", obs_sync_offloads),
+    "rollout.weights_dtype": W("fp8", obs_sync_dtypes),
     "rollout.gen_batch_prompts": W("8", obs_collect, "algorithm.dynamic_sampling=true"),
     "rollout.max_gen_batches": W("1", obs_collect, "algorithm.dynamic_sampling=true", "rollout.prompts_per_step=8",
                                  "algorithm.mini_batch_size=16"),

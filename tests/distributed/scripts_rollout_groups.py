@@ -5,6 +5,12 @@ split the prompts over the 2 engines (not the 4 ranks), have only each engine's 
 and 2) generate and keep its samples, every rank learn every row's metadata, and an error on an
 owner raise on both ranks of its pair. The engines are builtin engines on identical weights
 standing in for SGLang engines (whose owner drives the group's GPUs).
+
+Also, per pair: `lockstep` over rank-dependent weight streams (ranks of an engine with expert
+parallelism get different tensors: every rank goes through the same rounds), and an SGLangEngine
+over 2 "nodes" of 1 GPU each (a stand-in `sglang` module records what each Engine() got): both
+ranks start one, as node 0 and node 1, joining the owner's address, node 1 with
+SGLANG_BLOCK_NONZERO_RANK_CHILDREN=0; a failing node raises on both ranks.
 """
 
 import torch
@@ -63,8 +69,62 @@ def main() -> None:
         out["raised"] = None
     except RuntimeError as e:
         out["raised"] = str(e)
+    out["lockstep"] = lockstep_rounds(group)
+    out["nodes"] = multi_node_start(group, a.root)
     finish(a.out, gather(out))
     destroy_distributed()
+
+
+def lockstep_rounds(group) -> list:
+    """The rounds each rank of the pair sees when the owner's stream has 3 buckets and the other's 1."""
+    from megarl.rollout.sglang.requests import lockstep, with_last_flag
+
+    n = 3 if dist.get_rank(group) == 0 else 1
+    return [(len(b), more) for b, more in lockstep(with_last_flag([[("w", i)] for i in range(n)]), group)]
+
+
+class NodeEngine:
+    """A stand-in sglang.Engine: records its keywords and whether the follower flag was set."""
+
+    made: list = []
+
+    def __init__(self, **kwargs):
+        import os
+
+        if kwargs.get("node_rank") == 1 and os.environ.get("FAIL_NODE") == "1":
+            raise RuntimeError("node 1 failed on purpose")
+        NodeEngine.made.append({"node_rank": kwargs.get("node_rank"), "nnodes": kwargs.get("nnodes"),
+                                "addr": kwargs.get("dist_init_addr"),
+                                "follower_env": os.environ.get("SGLANG_BLOCK_NONZERO_RANK_CHILDREN")})
+
+    def shutdown(self):
+        pass
+
+
+def multi_node_start(group, root) -> dict:
+    import os
+    import types
+
+    from megarl.rollout.sglang.engine import SGLangEngine
+    from megarl.tasks.tiny_model import TinyModelSpec, save_tiny_model
+
+    model = root / "sglang_model"
+    if dist.get_rank() == 0:
+        save_tiny_model(model, TinyModelSpec(layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64))
+    dist.barrier()
+    sglang = types.SimpleNamespace(Engine=NodeEngine, __version__="0.5.23")
+    out = {}
+    for fail in ("0", "1"):
+        os.environ["FAIL_NODE"] = fail
+        NodeEngine.made = []
+        engine = SGLangEngine(model, group=group, sglang_module=sglang, base_gpu_id=0, nnodes=2)
+        try:
+            engine.start()
+            out[f"fail{fail}"] = {"made": NodeEngine.made, "owner_engine": engine._engine is not None,
+                                  "env_after": os.environ.get("SGLANG_BLOCK_NONZERO_RANK_CHILDREN")}
+        except RuntimeError as e:
+            out[f"fail{fail}"] = {"raised": str(e)}
+    return out
 
 
 if __name__ == "__main__":

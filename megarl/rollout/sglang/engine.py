@@ -25,7 +25,9 @@ group a timeout longer than the longest generation (`megarl.trainer.build.engine
   derived from `SamplingParams.seed`, the prompt index and the sample index (`sample_seed`):
   SGLang's seeded sampling under deterministic inference would otherwise give the n samples of
   a prompt the same tokens. Without deterministic inference SGLang ignores the seeds.
-- update_weights(stream): each rank flattens its bucket on its own GPU (`FlattenedTensorBucket`),
+- update_weights(stream): with ep_size each rank's stream brings only the routed experts its GPU
+  hosts (`hosted_experts`; SGLang's loader skips the others anyway); each rank flattens its bucket on
+  its own GPU (`FlattenedTensorBucket`),
   serializes it to CUDA-IPC handles (`MultiprocessingSerializer`, after
   `monkey_patch_torch_reductions()` so handles carry the GPU UUID), the payloads are gathered to
   the owner over gloo, and the owner calls
@@ -78,7 +80,8 @@ import torch.distributed as dist
 from megarl.weights.hf_reader import has_tokenizer, read_config
 from megarl.rollout.sampling import segment_budget
 from megarl.rollout.sglang.requests import (
-    GenerateCall, ReleasedMemory, check_generate_request, engine_launch_env, gather_to_owner,
+    GenerateCall, ReleasedMemory, broadcast_from_owner, check_generate_request, engine_experts, engine_launch_env,
+    gather_to_owner, lockstep,
     memory_tags, needs_weight_update_session, rebucket, request_seeds, run_on_owner, run_segment,
     with_last_flag)
 from megarl.rollout.sglang.weights import fp8_names, keep_partners_together, quantized
@@ -121,6 +124,9 @@ class SGLangEngine:
             raise ValueError(f"SGLangEngine: tp_size={self.tp_size} but the weight group has "
                              f"{group_size} ranks; colocation needs one rank per engine GPU")
         self.is_owner = group is None or dist.get_rank(group) == 0
+        self.nnodes = int(server_kwargs.get("nnodes", 1))
+        if self.nnodes > 1 and group_size % self.nnodes:
+            raise ValueError(f"SGLangEngine: nnodes={self.nnodes} does not divide the engine's {group_size} ranks")
         self.bucket_bytes = bucket_bytes
         self.cpu_backup = enable_weights_cpu_backup
         config = read_config(self.model_path)
@@ -151,7 +157,12 @@ class SGLangEngine:
         if self.is_owner and tokenizer_files:
             from transformers import AutoTokenizer
             self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self._engine = None
+        self._engine = self._node_engine = None
+        ep = int(server_kwargs.get("ep_size", 1))
+        experts = int(config.get("num_experts") or config.get("n_routed_experts") or 0)
+        # the routed experts this rank's GPU hosts (SGLang expert parallelism); None: all of them
+        self.hosted_experts = (engine_experts(dist.get_rank(group) if group is not None else 0, self.tp_size, ep, experts)
+                               if ep > 1 else None)
         if start:
             self.start()
 
@@ -160,24 +171,58 @@ class SGLangEngine:
 
         SGLang sizes the KV pool from the GPU memory free right now (mem_fraction_static;
         srt/mem_cache/kv_cache_configurator.py `_profile_available_bytes`): call it while the
-        training state is off the GPU.
+        training state is off the GPU. An engine over several nodes (`nnodes` > 1: its group spans
+        them, gpus per node = group size / nnodes) starts on every node's first rank at once:
+        the owner as node 0 (tokenizer and detokenizer, the engine megarl drives), the others as
+        node k with SGLANG_BLOCK_NONZERO_RANK_CHILDREN=0 (srt/entrypoints/engine.py: their
+        Engine() launches that node's schedulers and returns), all joining the owner's
+        dist_init_addr; an error on any of them raises on every rank of the group.
         """
         if self.started:
             return
-        run_on_owner(self._create, self.group)
+        if self.nnodes > 1:
+            self._start_nodes()
+        else:
+            run_on_owner(self._create, self.group)
         self.started = True
         self.memory = ReleasedMemory()
         self.weights_valid = self.load_format != "dummy"
 
-    def _create(self) -> None:
-        kwargs = dict(self.engine_kwargs)
+    def _start_nodes(self) -> None:
+        rank, per_node = dist.get_rank(self.group), dist.get_world_size(self.group) // self.nnodes
+        addr = broadcast_from_owner(owner_address() if self.is_owner else None, self.group)
+        error = None
+        if rank % per_node == 0:
+            try:
+                self._create(node_rank=rank // per_node, dist_init_addr=addr)
+            except Exception as err:  # noqa: BLE001 - raised on every rank below
+                error = f"node {rank // per_node}: {err!r}"
+        errors = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(errors, error, group=self.group)
+        failed = [e for e in errors if e]
+        if failed:
+            raise RuntimeError(f"SGLang engine over {self.nnodes} nodes did not start: {'; '.join(failed)}")
+
+    def _create(self, **node) -> None:
+        kwargs = dict(self.engine_kwargs, **node)
         if kwargs["base_gpu_id"] is None:
             kwargs["base_gpu_id"] = torch.cuda.current_device()
         if "NCCL_CUMEM_ENABLE" not in os.environ:
             log.warning("NCCL_CUMEM_ENABLE is not set: SGLang sets it to 0 in its own processes; "
                         "export NCCL_CUMEM_ENABLE=0 for every rank (launch/*.py do)")
-        with engine_launch_env():
-            self._engine = self._sglang.Engine(**kwargs)
+        with engine_launch_env() as env:
+            follower = node.get("node_rank", 0) >= 1  # this node's schedulers only; the owner's Engine drives them
+            if follower:
+                env["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"] = "0"
+            try:
+                engine = self._sglang.Engine(**kwargs)
+            finally:
+                if follower:
+                    env.pop("SGLANG_BLOCK_NONZERO_RANK_CHILDREN", None)
+        if node.get("node_rank", 0) == 0:
+            self._engine = engine
+        else:
+            self._node_engine = engine  # shut down with the engine
 
     # ------------------------------------------------------------------ generation
 
@@ -339,17 +384,21 @@ class SGLangEngine:
         keep_alive: collections.deque = collections.deque(maxlen=2)
         if self.fp8 is not None:  # an engine started from block-FP8 weights gets FP8 weights
             stream = quantized(stream, *self.fp8)
-        for bucket, is_last in with_last_flag(keep_partners_together(rebucket(stream, self.bucket_bytes))):
+        mine = with_last_flag(keep_partners_together(rebucket(stream, self.bucket_bytes)))
+        for bucket, more in lockstep(mine, self.group):  # ranks may hold different experts: equal rounds
             named = [(name, t.to(device, non_blocking=True).contiguous()) for name, t in bucket]
-            flat = FlattenedTensorBucket(named_tensors=named)
-            keep_alive.append((named, flat))
-            payload = MultiprocessingSerializer.serialize(
-                {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()},
-                output_str=True)
+            if named:
+                flat = FlattenedTensorBucket(named_tensors=named)
+                tensor, metadata = flat.get_flattened_tensor(), flat.get_metadata()
+            else:  # this rank's GPU loads nothing this round
+                flat, tensor, metadata = None, torch.empty(0, dtype=torch.uint8, device=device), []
+            keep_alive.append((named, flat, tensor))
+            payload = MultiprocessingSerializer.serialize({"flattened_tensor": tensor, "metadata": metadata},
+                                                          output_str=True)
             torch.cuda.current_stream().synchronize()  # the receiver reads after this returns
             payloads = gather_to_owner(payload, self.group)
             run_on_owner(lambda: self._ok(self._engine.update_weights_from_tensor(
-                named_tensors=payloads, load_format="flattened_bucket", flush_cache=is_last),
+                named_tensors=payloads, load_format="flattened_bucket", flush_cache=not more),
                 "update_weights_from_tensor"), self.group)
         if session:
             run_on_owner(lambda: self._ok(self._engine.end_weight_update(), "end_weight_update"),
@@ -398,9 +447,10 @@ class SGLangEngine:
 
     def shutdown(self) -> None:
         """Stops the engine (owner); `start()` or `resume_memory()` would start a new one."""
-        if self._engine is not None:
-            self._engine.shutdown()
-            self._engine = None
+        for engine in (self._engine, self._node_engine):
+            if engine is not None:
+                engine.shutdown()
+        self._engine = self._node_engine = None
         self.started = False
         self.weights_valid = False
 
@@ -415,6 +465,15 @@ class SGLangEngine:
             return
         if not success:
             raise RuntimeError(f"SGLang {what} failed: {message}")
+
+
+def owner_address() -> str:
+    """host:port an engine's nodes join (SGLang's dist_init_addr): this host's address and a free port."""
+    import socket
+
+    from megarl.parallel.launch import free_port
+
+    return f"{socket.gethostbyname(socket.gethostname())}:{free_port()}"
 
 
 def decode_routed_experts(value: Any, tokens: int, shape: tuple[int, int]) -> torch.Tensor:

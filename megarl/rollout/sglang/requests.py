@@ -250,6 +250,27 @@ def with_last_flag(items: Iterable[T]) -> Iterator[tuple[T, bool]]:
     yield previous, True
 
 
+def lockstep(buckets: Iterable[tuple[Bucket, bool]], group: dist.ProcessGroup | None) -> Iterator[tuple[Bucket, bool]]:
+    """Rounds of (this rank's bucket, whether any rank of `group` has more after this round) from a
+    per-rank `with_last_flag` stream: every rank goes through the same number of rounds (a rank
+    whose own stream is shorter gets empty buckets), so per-round collectives line up even when
+    ranks receive different tensors (an engine with expert parallelism). Collective over `group`."""
+    it = iter(buckets)
+    while True:
+        item = next(it, None)
+        bucket, last = item if item is not None else ([], True)
+        if group is None or dist.get_world_size(group) == 1:
+            if item is None:
+                return
+            yield bucket, not last
+            continue
+        states = [None] * dist.get_world_size(group)
+        dist.all_gather_object(states, (item is not None, not last), group=group)
+        if not any(has for has, _ in states):
+            return
+        yield bucket, any(more for _, more in states)
+
+
 def version_tuple(version: str) -> tuple[int, ...]:
     """'0.5.23.post1' -> (0, 5, 23); '0.5.21rc1' -> (0, 5, 21)."""
     match = re.match(r"^(\d+)(?:\.(\d+))?(?:\.(\d+))?", version.strip())
@@ -269,7 +290,9 @@ def needs_weight_update_session(version: str) -> bool:
 def server_args(cfg: Any) -> dict[str, Any]:
     """`sglang.Engine` keyword arguments (ServerArgs fields) from a `MegaRLConfig`.
 
-    tp_size = parallel.rollout_tp, mem_fraction_static = rollout.mem_fraction,
+    tp_size = parallel.rollout_tp, mem_fraction_static = rollout.mem_fraction, with rollout.sglang_dp_size
+    > 1 enable_dp_attention and dp_size, ep_size = rollout.sglang_ep_size when > 1, nnodes when the engine
+    spans nodes (parallel.rollout_tp > gpus_per_node),
     context_length = rollout.sglang_context_length, or when null
         data.max_prompt_len + max(rollout.max_new_tokens, eval.max_new_tokens)
     (the longest request the engine serves; generation budgets are capped by it, and SGLang
@@ -278,13 +301,30 @@ def server_args(cfg: Any) -> dict[str, Any]:
     rollout.sglang_chunked_prefill_size, left out when null so SGLang picks its GPU-dependent default,
     and rollout.sglang_server_args (any other ServerArgs field; the config refuses the ones above).
     """
-    r = cfg.rollout
+    r, p = cfg.rollout, cfg.parallel
     context = r.sglang_context_length or cfg.data.max_prompt_len + max(r.max_new_tokens, cfg.eval.max_new_tokens)
-    args: dict[str, Any] = {"tp_size": cfg.parallel.rollout_tp, "mem_fraction_static": r.mem_fraction,
+    args: dict[str, Any] = {"tp_size": p.rollout_tp, "mem_fraction_static": r.mem_fraction,
                             "context_length": int(context)}
     if r.sglang_chunked_prefill_size is not None:
         args["chunked_prefill_size"] = int(r.sglang_chunked_prefill_size)
+    if r.sglang_dp_size > 1:  # attention data parallelism: srt/layers/dp_attention.py
+        args.update(enable_dp_attention=True, dp_size=int(r.sglang_dp_size))
+    if r.sglang_ep_size > 1:
+        args["ep_size"] = int(r.sglang_ep_size)
+    if p.rollout_tp > p.gpus_per_node:  # an engine over whole nodes; node_rank / dist_init_addr come at start
+        args["nnodes"] = p.rollout_tp // p.gpus_per_node
     return {**dict(r.sglang_server_args), **args}
+
+
+def engine_experts(tp_rank: int, tp_size: int, ep_size: int, num_experts: int) -> range:
+    """The routed experts SGLang's GPU `tp_rank` of an engine of `tp_size` GPUs holds with ep_size:
+    its MoE EP rank is tp_rank // (tp_size // ep_size) (moe_tp_size GPUs share an EP rank and split
+    its experts' weights), and EP rank r holds experts r * E / ep_size .. (r + 1) * E / ep_size - 1
+    (SGLang's FusedMoE; its weight loader skips the other experts)."""
+    if tp_size % ep_size or num_experts % ep_size:
+        raise ValueError(f"ep_size {ep_size} must divide the engine's {tp_size} GPUs and its {num_experts} experts")
+    ep_rank, per = tp_rank // (tp_size // ep_size), num_experts // ep_size
+    return range(ep_rank * per, (ep_rank + 1) * per)
 
 
 # srt/constants.py GPU_MEMORY_ALL_TYPES: the regions release/resume_memory_occupation take as tags

@@ -23,7 +23,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from megarl.weights.fp8_blocks import SCALE_SUFFIX, block_size, quantize
+from megarl.weights.fp8_blocks import FP8_QUANTIZATION_CONFIG, SCALE_SUFFIX, block_size, quantized_stream
 from megarl.weights.hf_reader import HFCheckpoint, read_config
 
 Bucket = list[tuple[str, torch.Tensor]]
@@ -62,23 +62,38 @@ def keep_partners_together(buckets: Iterable[Bucket]) -> Iterator[Bucket]:
                            f"with ({[partner(n) for n in sorted(held)]})")
 
 
+def fp8_engine_checkpoint(hf_path: str | Path, out: str | Path) -> Path:
+    """A folder SGLang starts from to serve block-FP8 weights streamed in (rollout.weights_dtype=fp8):
+    the model's config.json with `quantization_config` = FP8_QUANTIZATION_CONFIG and its other
+    small files (tokenizer, generation and processor configs), no weights (start it with
+    load_format="dummy"; the first weight sync fills them)."""
+    import json
+    import shutil
+
+    src, out = Path(hf_path), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.suffix in (".json", ".txt", ".model", ".jinja", ".tiktoken") and "index" not in f.name:
+            shutil.copy2(f, out / f.name)
+    config = read_config(src)
+    config["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    return out
+
+
 def fp8_names(model_path: str | Path) -> tuple[set[str], tuple[int, int]] | None:
-    """(names stored block-FP8, block) of the engine's checkpoint; None for a bf16 checkpoint."""
+    """(names stored block-FP8, block) of the engine's checkpoint; None for a bf16 checkpoint. A
+    folder without weights (`fp8_engine_checkpoint`: the stream sends them quantized) names none."""
     config = read_config(model_path)
     if ((config.get("quantization_config") or {}).get("quant_method")) != "fp8":
         return None
+    if not any(Path(model_path).glob("*.safetensors")):
+        return set(), block_size(config)
     names = {n[: -len(SCALE_SUFFIX)] for n in HFCheckpoint(model_path).names() if n.endswith(SCALE_SUFFIX)}
     return names, block_size(config)
 
 
 def quantized(buckets: Iterable[Bucket], names: set[str], block: tuple[int, int]) -> Iterator[Bucket]:
-    """Each bucket with the tensors in `names` replaced by their FP8 values and scales."""
-    for bucket in buckets:
-        out: Bucket = []
-        for name, t in bucket:
-            if name in names:
-                q, scale = quantize(t, block)
-                out += [(name, q), (name + SCALE_SUFFIX, scale)]
-            else:
-                out.append((name, t))
-        yield out
+    """Each bucket with the tensors in `names` replaced by their FP8 values and scales (a tensor
+    that arrives in FP8 already, from a trainer with rollout.weights_dtype=fp8, passes)."""
+    return quantized_stream(buckets, lambda n, t: n in names and t.dtype != torch.float8_e4m3fn, block)
