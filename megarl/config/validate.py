@@ -54,6 +54,11 @@ def validate_config(cfg: MegaRLConfig, where: Callable[[str], str] | None = None
             f"tp*pp*cp = {p.tp}*{p.pp}*{p.cp} = {mp} does not divide the world parallel.nodes*parallel.gpus_per_node = {declared}")
     e.check(declared % p.rollout_tp == 0, "parallel.rollout_tp",
             f"{p.rollout_tp} does not divide the world parallel.nodes*parallel.gpus_per_node = {declared}")
+    e.check(p.gpus_per_node % p.rollout_tp == 0 or p.rollout_tp % p.gpus_per_node == 0, "parallel.rollout_tp",
+            f"{p.rollout_tp}: an engine takes part of one node or whole nodes (gpus_per_node = {p.gpus_per_node})")
+    e.check(p.rollout_tp <= p.gpus_per_node or r.engine == "sglang", "parallel.rollout_tp",
+            f"{p.rollout_tp} GPUs span {p.rollout_tp // max(p.gpus_per_node, 1)} nodes: only rollout.engine=sglang "
+            "starts an engine over several nodes")
     e.check(p.vpp is None or (p.vpp >= 1 and p.pp > 1), "parallel.vpp", f"needs parallel.pp > 1 and vpp >= 1 (pp={p.pp}, vpp={p.vpp})")
     e.check(p.etp is None or p.etp >= 1, "parallel.etp", f"must be >= 1 or null, got {p.etp}")
     e.check(not m.sequence_parallel or p.tp > 1, "model.sequence_parallel", "needs parallel.tp > 1")
@@ -112,6 +117,9 @@ def validate_config(cfg: MegaRLConfig, where: Callable[[str], str] | None = None
             f"must divide parallel.rollout_tp ({tp}), got {r.sglang_dp_size}")
     e.check(r.sglang_ep_size >= 1 and tp % r.sglang_ep_size == 0, "rollout.sglang_ep_size",
             f"must divide parallel.rollout_tp ({tp}), got {r.sglang_ep_size}")
+    e.check(r.engine == "sglang" or (r.sglang_dp_size == 1 and r.sglang_ep_size == 1), "rollout.sglang_dp_size",
+            f"sglang_dp_size={r.sglang_dp_size} / sglang_ep_size={r.sglang_ep_size} configure SGLang; "
+            f"rollout.engine is {r.engine!r}: set both to 1")
     chunk = r.sglang_chunked_prefill_size
     e.check(chunk is None or chunk == -1 or chunk >= 1, "rollout.sglang_chunked_prefill_size",
             f"must be >= 1, -1 (no chunking) or null, got {chunk}")
@@ -412,9 +420,16 @@ def validate_model(cfg: MegaRLConfig, hf_config: Any) -> None:
     e.check(ffn is None or ffn % p.tp == 0, "parallel.tp", f"intermediate_size={ffn} is not divisible by tp={p.tp}")
     stages = p.pp * (p.vpp or 1)
     e.check(layers % stages == 0, "parallel.pp", f"num_hidden_layers={layers} is not divisible by pp*vpp={stages}")
-    e.check(heads % p.rollout_tp == 0, "parallel.rollout_tp", f"num_attention_heads={heads} is not divisible by rollout_tp={p.rollout_tp}")
-    e.check(kv % p.rollout_tp == 0 or p.rollout_tp % kv == 0, "parallel.rollout_tp",
-            f"num_key_value_heads={kv} and rollout_tp={p.rollout_tp}: one must divide the other")
+    # with attention data parallelism SGLang splits heads over rollout_tp / sglang_dp_size GPUs
+    dp_attn = cfg.rollout.sglang_dp_size if cfg.rollout.sglang_dp_size >= 1 and p.rollout_tp % cfg.rollout.sglang_dp_size == 0 else 1
+    attn_tp, what = p.rollout_tp // dp_attn, ("rollout_tp" if dp_attn == 1 else
+                                               f"rollout_tp / rollout.sglang_dp_size = {p.rollout_tp}/{dp_attn}")
+    e.check(heads % attn_tp == 0, "parallel.rollout_tp", f"num_attention_heads={heads} is not divisible by {what}={attn_tp}")
+    e.check(kv % attn_tp == 0 or attn_tp % kv == 0, "parallel.rollout_tp",
+            f"num_key_value_heads={kv} and {what}={attn_tp}: one must divide the other")
+    ep_engine = cfg.rollout.sglang_ep_size
+    e.check(ep_engine == 1 or (bool(experts) and experts % ep_engine == 0), "rollout.sglang_ep_size",
+            f"sglang_ep_size={ep_engine} needs an MoE model whose experts it divides (num_experts={experts})")
     if p.ep > 1:
         e.check(bool(experts), "parallel.ep", f"ep={p.ep} needs an MoE model (no num_experts in the HF config)")
         e.check(not experts or experts % p.ep == 0, "parallel.ep", f"num_experts={experts} is not divisible by ep={p.ep}")

@@ -23,6 +23,9 @@ def format_plan(cfg: MegaRLConfig, pl: Plan, arch_src: str) -> str:
            if pl.arch.num_experts else "") + f", from {arch_src})",
         f"layout: {p.nodes} nodes x {p.gpus_per_node} {pl.gpu.name} = {pl.world} GPUs; tp={p.tp} pp={p.pp} cp={p.cp} "
         f"dp={pl.dp} vpp={p.vpp} sp={cfg.model.sequence_parallel} recompute={cfg.model.recompute} rollout_tp={p.rollout_tp}"
+        + (f" (attention dp {cfg.rollout.sglang_dp_size}, engine ep {cfg.rollout.sglang_ep_size})"
+           if cfg.rollout.sglang_dp_size > 1 or cfg.rollout.sglang_ep_size > 1 else "")
+        + f" rollout weights {cfg.rollout.weights_dtype}"
         + (f" ep={p.ep} etp={p.etp or p.tp} edp={max(1, pl.world // ((p.etp or p.tp) * p.ep * p.pp))}"
            if pl.arch.num_experts else ""),
     ]
@@ -63,9 +66,11 @@ def format_plan(cfg: MegaRLConfig, pl: Plan, arch_src: str) -> str:
         + (f" incl. {im.sample_tokens} image tokens" if v and im else "")
         + f" / response {pl.time['avg_response_len']} tokens, MFU {pl.time['mfu']:.2f})",
         f"  rollout {pl.time['rollout_s'] / 60:6.1f} min  ({pl.time['decode_steps']:,} decode steps x "
-        f"{pl.time['decode_step_s'] * 1e3:.1f} ms, {pl.time['concurrent_seqs_per_engine']} of "
+        f"{pl.time['decode_step_s'] * 1e3:.1f} ms of which {pl.time['decode_comm_s'] * 1e3:.1f} ms communication, "
+        f"{pl.time['concurrent_seqs_per_engine']} of "
         f"{pl.time['seqs_per_engine']} sequences concurrent per engine)",
         f"  train   {pl.time['train_s'] / 60:6.1f} min  ({pl.time['train_flops']:.3g} FLOPs over {pl.time['train_tokens']:,} tokens)",
+        f"  host    {pl.time['host_s'] / 60:6.1f} min  (copies of offloaded state over PCIe)",
         f"  step    {pl.time['step_s'] / 60:6.1f} min",
         "",
         "FITS" if pl.fits else "DOES NOT FIT:\n  " + "\n  ".join(pl.problems),
@@ -129,8 +134,64 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--images-per-microbatch", type=int,
                     help="vision-language models: images in one training micro-batch (default: the samples a "
                          "micro-batch holds at the mean sample length x --images-per-sample)")
+    ap.add_argument("--search", action="store_true",
+                    help="search the layouts of --recipe on --nodes (from --layout) and print the best --top "
+                         "by planned step (megarl/planner/search.py)")
+    ap.add_argument("--top", type=int, default=5, help="--search: layouts to print")
+    ap.add_argument("--fit-also", action="append", default=[], metavar="RECIPE",
+                    help="--search: the layout must fit this recipe too (e.g. the model's VAPO recipe)")
+    ap.add_argument("--max-engine-nodes", type=int, default=4, help="--search: the largest engine, in nodes")
+    ap.add_argument("--weights-dtypes", default="bf16,fp8",
+                    help="--search: rollout.weights_dtype values to try (comma-separated)")
+    ap.add_argument("--write", metavar="LAYOUT_YAML", help="--search: write the best layout to this file")
     ap.add_argument("overrides", nargs="*", help="dotted config overrides")
     return ap
+
+
+def run_search(args: argparse.Namespace, overrides: list[str]) -> int:
+    """`megarl plan --search`: the best layouts (megarl.planner.search), and with --write the best
+    one as a layout file, checked by loading it with every recipe."""
+    import shlex
+
+    import yaml
+
+    from megarl.planner.search import format_search, layout_yaml, search
+
+    recipes = [args.recipe, *args.fit_also]
+    try:
+        cfgs = [load_config([r, *args.layout], overrides) for r in recipes]
+        arch, hf, _ = load_arch(cfgs[0], args.model_json)
+        dtypes = tuple(d.strip() for d in args.weights_dtypes.split(",") if d.strip())
+        if not dtypes or set(dtypes) - {"bf16", "fp8"}:
+            raise ConfigError(f"--weights-dtypes: bf16 and/or fp8, got {args.weights_dtypes!r}")
+        found = search(cfgs, arch, hf, GPUS[args.gpu], top=args.top, max_engine_nodes=args.max_engine_nodes,
+                       weights_dtypes=dtypes,
+                       reserve_gib=args.reserve_gib, avg_prompt_len=args.avg_prompt_len,
+                       avg_response_len=args.avg_response_len, mfu=args.mfu, decode_eff=args.decode_eff,
+                       gen_rounds=args.gen_rounds, moe_imbalance=args.moe_imbalance)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    print(format_search(found, [os.path.relpath(r) for r in recipes]))
+    if not found:
+        return 1
+    if args.write:
+        base: dict = {}
+        for path in args.layout:
+            with open(path, encoding="utf-8") as f:
+                base.update(yaml.safe_load(f) or {})
+        argv = ["megarl", "plan", "--search", "--recipe", args.recipe, *sum((["--fit-also", r] for r in args.fit_also), []),
+                *sum((["--layout", lay] for lay in args.layout), []), "--gpu", args.gpu,
+                *(["--nodes", str(args.nodes)] if args.nodes else []),
+                *(["--weights-dtypes", args.weights_dtypes] if args.weights_dtypes != "bf16,fp8" else []),
+                "--write", args.write, *args.overrides]
+        text = layout_yaml(found[0], base, [os.path.relpath(r) for r in recipes], shlex.join(argv), GPUS[args.gpu].name)
+        with open(args.write, "w", encoding="utf-8") as f:
+            f.write(text)
+        for r in recipes:  # the file must load with every recipe it was chosen for
+            load_config([r, args.write], args.overrides)
+        print(f"wrote {args.write}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:  # noqa: D103
@@ -144,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:  # noqa: D103
     if args.gpu == "all":
         ap.error("--gpu all goes with --table")
     overrides = list(args.overrides) + ([f"parallel.nodes={args.nodes}"] if args.nodes else [])
+    if args.search:
+        return run_search(args, overrides)
+    if args.write:
+        ap.error("--write goes with --search")
     try:
         cfg = load_config([args.recipe, *args.layout], overrides)
         arch, hf, src = load_arch(cfg, args.model_json)

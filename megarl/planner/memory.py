@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 
 from megarl.config import ConfigError, MegaRLConfig, validate_model, validate_world
 from megarl.planner.activations import activation_bytes, train_overflow_message
+from megarl.planner import engine
 from megarl.planner.arch import GIB, GPU, MOE_IMBALANCE, Arch, ModelState, lm_config
+from megarl.planner.engine import EngineShape
 from megarl.planner.rollout_data import rollout_data
 from megarl.planner.vision import Images, image_load, microbatch_patches, vision_problems
 
@@ -100,25 +102,28 @@ def plan(cfg: MegaRLConfig, arch: Arch, hf: dict, gpu: GPU, reserve_gib: float =
 
     # rollout phase: engine share (static reservation) + whatever training state stays resident
     engine_share = r.mem_fraction * cap
-    engine_weights = arch.engine_weight_bytes(p.rollout_tp, fp8=r.weights_dtype == "fp8")
+    shape = EngineShape.of(cfg)
+    engine_weights = engine.weight_bytes(arch, shape)
     kv_pool = engine_share - engine_weights
-    kv_tokens = max(kv_pool, 0.0) / arch.kv_bytes_per_token(p.rollout_tp)
+    kv_tokens = engine.kv_tokens(arch, shape, kv_pool)
     resident_rollout = 0.0 if r.offload_train_state else sum(s.resident for s in states)
     rollout_peak = resident_rollout + engine_share + reserve
     longest = cfg.data.max_prompt_len + r.max_new_tokens
     if engine_weights >= engine_share:
         fp8 = arch.fp8 or r.weights_dtype == "fp8"
         fmt = "block-FP8" if fp8 else "bf16"
-        bigger = "" if fp8 else ", or serve FP8 weights: rollout.weights_dtype=fp8 (half the bytes)"
+        bigger = "" if fp8 else ", serve FP8 weights: rollout.weights_dtype=fp8 (half the bytes)"
         problems.append(
             f"rollout: one engine's {fmt} weights need {engine_weights / GIB:.1f} GiB per GPU at rollout_tp="
-            f"{p.rollout_tp}, more than its share rollout.mem_fraction x capacity = {engine_share / GIB:.1f} GiB, "
-            "leaving no KV cache; "
-            f"an engine spans at most one node (rollout_tp <= gpus_per_node = {p.gpus_per_node}): the model does not "
-            f"fit one engine of these GPUs; use GPUs with more memory{bigger}")
-    elif kv_tokens < longest:
-        problems.append(f"rollout: the engine's KV cache holds {kv_tokens:,.0f} tokens per GPU group, less than one "
-                        f"longest sequence ({longest:,}); raise rollout.mem_fraction or parallel.rollout_tp")
+            f"{p.rollout_tp}" + (f" (attention on {shape.attn_tp} GPUs: rollout.sglang_dp_size={shape.dp})"
+                                 if shape.dp > 1 else "")
+            + f", more than its share rollout.mem_fraction x capacity = {engine_share / GIB:.1f} GiB, "
+            f"leaving no KV cache; raise parallel.rollout_tp (whole nodes with rollout.engine=sglang){bigger}, "
+            "or use GPUs with more memory")
+    elif kv_tokens < longest * shape.dp:
+        problems.append(f"rollout: the engine's KV cache holds {kv_tokens / shape.dp:,.0f} tokens per attention group, "
+                        f"less than one longest sequence ({longest:,}); raise rollout.mem_fraction or "
+                        "parallel.rollout_tp, or lower rollout.sglang_dp_size")
     if rollout_peak > cap:
         problems.append(f"rollout phase needs {rollout_peak / GIB:.1f} GiB > {cap / GIB:.1f} GiB "
                         f"(engine {engine_share / GIB:.1f} + resident training state {resident_rollout / GIB:.1f} "
@@ -149,9 +154,27 @@ def plan(cfg: MegaRLConfig, arch: Arch, hf: dict, gpu: GPU, reserve_gib: float =
                sync_stream=sync_stream)
     out.time = step_time(cfg, arch, gpu, world, kv_tokens, avg_prompt_len, avg_response_len, mfu, decode_eff, gen_rounds,
                          images)
+    out.time["host_s"] = host_transfer_s(cfg, states)
+    out.time["step_s"] += out.time["host_s"]
     out.rollout_data = rollout_data(cfg, arch, world, *mean_lengths(cfg, avg_prompt_len, avg_response_len, images),
                                     images, gen_rounds)
     return out
+
+
+PCIE_BYTES_PER_S = 25e9  # host <-> GPU, per GPU, pinned copies (PCIe Gen5 x16 with 8 GPUs sharing a host)
+
+
+def host_transfer_s(cfg: MegaRLConfig, states: list[ModelState]) -> float:
+    """Seconds a step spends copying between GPU and host memory at PCIE_BYTES_PER_S:
+    rollout.offload_train_state moves every model's resident state off the GPU and back (2 x
+    resident bytes), and an offloaded optimizer (offload_optimizer) receives the float32
+    gradients and returns the bf16 weights at every update (6 bytes per parameter held, samples /
+    mini_batch_size x ppo_epochs updates per step). The host's Adam step itself is not counted."""
+    a, r = cfg.algorithm, cfg.rollout
+    moved = 2.0 * sum(s.resident for s in states) if r.offload_train_state else 0.0
+    updates = max(1, r.prompts_per_step * r.n_samples_per_prompt // max(a.mini_batch_size, 1)) * a.ppo_epochs
+    moved += sum(6.0 * s.params_gpu * updates for s in states if s.offload_optimizer)
+    return moved / PCIE_BYTES_PER_S
 
 
 def mean_lengths(cfg: MegaRLConfig, avg_prompt_len: int | None, avg_response_len: int | None,
@@ -196,25 +219,26 @@ def step_time(cfg: MegaRLConfig, arch: Arch, gpu: GPU, world: int, kv_tokens: fl
         flops += fwd(n_actor) + tower * samples
     if cfg.critic.enable:
         flops += fwd(n_critic) * lm_passes + tower * samples * tower_passes
-    train_s = flops / (world * gpu.bf16_flops * mfu)
+    # pipeline bubble of 1F1B: (pp - 1) / (micro-batches per mini-batch x vpp) idle on top of the work
+    dp = max(1, world // (p.tp * p.pp * p.cp))
+    microbatches = max(1, math.ceil(a.mini_batch_size * seq / dp / max(cfg.actor.max_tokens_per_microbatch, 1)))
+    bubble = (p.pp - 1) / (microbatches * (p.vpp or 1))
+    train_s = flops / (world * gpu.bf16_flops * mfu) * (1.0 + bubble)
 
     engines = world // p.rollout_tp
     gen_prompts = (r.gen_batch_prompts or r.prompts_per_step) * gen_rounds
     seqs_per_engine = math.ceil(gen_prompts * r.n_samples_per_prompt / max(engines, 1))
     concurrent = max(1, min(seqs_per_engine, int(kv_tokens // seq)))
     steps = max(gen_cap, math.ceil(seqs_per_engine * resp / concurrent))
-    weight_bytes = arch.engine_weight_bytes(p.rollout_tp, lm_only=True, fp8=r.weights_dtype == "fp8")  # every expert
-    kv_read = concurrent * (seq / 2) * arch.kv_bytes_per_token(p.rollout_tp)
-    t_mem = (weight_bytes + kv_read) / (gpu.hbm_bytes_per_s * decode_eff)
-    t_flops = 2.0 * n_actor * concurrent / (p.rollout_tp * gpu.bf16_flops * decode_eff)
-    decode_step = max(t_mem, t_flops)
+    decode = engine.decode_step(arch, EngineShape.of(cfg), gpu, concurrent, seq / 2, decode_eff)
+    decode_step = decode["step_s"]
     prefill_s = ((2.0 * n_actor * prompt + tower) * gen_prompts * r.n_samples_per_prompt
                  / (world * gpu.bf16_flops * mfu))
     rollout_s = steps * decode_step + prefill_s
     return {"avg_prompt_len": prompt, "avg_response_len": resp, "train_tokens": tokens, "train_flops": flops,
             "vision_flops_per_sample": tower,
-            "train_s": train_s, "concurrent_seqs_per_engine": concurrent, "seqs_per_engine": seqs_per_engine,
-            "decode_steps": steps, "decode_step_s": decode_step, "rollout_s": rollout_s,
+            "train_s": train_s, "pp_bubble": bubble, "concurrent_seqs_per_engine": concurrent, "seqs_per_engine": seqs_per_engine,
+            "decode_steps": steps, "decode_step_s": decode_step, "decode_comm_s": decode["comm_s"], "rollout_s": rollout_s,
             "step_s": train_s + rollout_s, "mfu": mfu}
 
 

@@ -94,7 +94,10 @@ def test_config_field_and_planner_bytes():
         load_config(None, ["rollout.weights_dtype=int4"])
     from megarl.planner import GPUS, load_arch, plan
 
-    cfg = load_config(["configs/recipes/qwen3-235b-a22b/dapo.yaml", "configs/layouts/qwen3-235b-a22b/16node.yaml"])
+    one_node = ["parallel.rollout_tp=8", "rollout.sglang_dp_size=1", "rollout.sglang_ep_size=1",
+                "rollout.sglang_server_args={}"]  # engines of one node: the weights leave little room for KV
+    cfg = load_config(["configs/recipes/qwen3-235b-a22b/dapo.yaml", "configs/layouts/qwen3-235b-a22b/16node.yaml"],
+                      one_node)
     arch, hf, _ = load_arch(cfg)
     bf16 = plan(cfg, arch, hf, GPUS["h100"])
     cfg.rollout.weights_dtype = "fp8"

@@ -85,12 +85,12 @@ def test_mla_activations_replace_the_gqa_terms():
     assert moe - dense == pytest.approx((6 * 2048 - 6 * 18432) / 8 + m_bytes)
 
 
-def test_glm_layouts_need_fp8_engines_on_h100(capsys):
-    recipe = os.path.join(CONFIGS, "recipes", "glm-4.5", "dapo.yaml")
-    layout = os.path.join(CONFIGS, "layouts", "glm-4.5", "16node.yaml")
-    assert plan.main(["--recipe", recipe, "--layout", layout, "--gpu", "h100"]) == 1
-    assert "start the engine from an FP8 checkpoint" in capsys.readouterr().out
-    fp8 = os.path.join(CONFIGS, "recipes", "glm-4.5-fp8", "dapo.yaml")
-    fp8_layout = os.path.join(CONFIGS, "layouts", "glm-4.5-fp8", "16node.yaml")
-    assert plan.main(["--recipe", fp8, "--layout", fp8_layout, "--gpu", "h100"]) == 0
-    assert "FITS" in capsys.readouterr().out
+def test_glm_layouts_fit_h100_with_engines_over_nodes(capsys):
+    # GLM-4.5's 355B bf16 weights: 8 H100s per engine are too few (test_plan.py says what helps); the
+    # shipped layouts serve it from engines of 32 GPUs, the FP8 checkpoint as well
+    for model in ("glm-4.5", "glm-4.5-fp8"):
+        recipe = os.path.join(CONFIGS, "recipes", model, "dapo.yaml")
+        layout = os.path.join(CONFIGS, "layouts", model, "16node.yaml")
+        assert plan.main(["--recipe", recipe, "--layout", layout, "--gpu", "h100"]) == 0
+        out = capsys.readouterr().out
+        assert "FITS" in out and "rollout_tp=32 (attention dp" in out

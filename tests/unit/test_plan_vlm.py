@@ -207,7 +207,7 @@ def test_tower_counts_in_every_model_state():
     for s in text:
         assert states[s.role].params_gpu == s.params_gpu + tower
         assert states[s.role].weights == 2 * (s.params_gpu + tower)
-    assert states["actor"].grads == 2 * (text[0].params_gpu + tower)
+    assert states["actor"].grads == 4 * (text[0].params_gpu + tower)  # float32 gradients
     assert states["actor"].optimizer == pytest.approx(12 * (text[0].params_gpu + tower) / 2)  # DP 2
     assert states["reference"].grads == 0
 
@@ -222,7 +222,7 @@ def test_frozen_tower_has_no_grads_or_optimizer_state():
     (frozen,) = plan.model_states(QWEN25_VL_7B, load_config(None, base + ["model.freeze_vision=true"]), world=8)
     tower = QWEN25_VL_7B.stage_vision_params(4)
     assert frozen.weights == trained.weights
-    assert frozen.grads == trained.grads - 2 * tower
+    assert frozen.grads == trained.grads - 4 * tower
     assert frozen.optimizer == pytest.approx(trained.optimizer - 12 * tower / 2)
     # PP 2 with a tied embedding: the last stage (LM head) is the largest once the frozen tower is
     # left out of the first stage's trained parameters
@@ -230,7 +230,7 @@ def test_frozen_tower_has_no_grads_or_optimizer_state():
     pp2 = base + ["parallel.pp=2", "model.freeze_vision=true"]
     (state,) = plan.model_states(tied, load_config(None, pp2), world=8)
     assert state.weights == 2 * tied.stage_params(4, 2)
-    assert state.grads == 2 * max(tied.stage_params(4, 2) - tower, dataclasses.replace(tied, vision=None).stage_params(4, 2))
+    assert state.grads == 4 * max(tied.stage_params(4, 2) - tower, dataclasses.replace(tied, vision=None).stage_params(4, 2))
 
 
 # ----------------------------------------------------------------------------- images, activations, FLOPs

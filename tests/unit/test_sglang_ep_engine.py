@@ -7,12 +7,13 @@ lockstep across ranks: tests/distributed/test_rollout_groups.py."""
 
 import pytest
 
-from megarl.config import ConfigError, load_config
+from megarl.config import ConfigError, load_config, validate_model
 from megarl.rollout.sglang.requests import engine_experts, lockstep, server_args, with_last_flag
 
 
 def test_server_args_for_dp_attention_ep_and_engines_over_nodes():
-    base = ["parallel.rollout_tp=16", "parallel.gpus_per_node=8", "parallel.nodes=2", "data.max_prompt_len=512",
+    base = ["rollout.engine=sglang", "parallel.rollout_tp=16", "parallel.gpus_per_node=8", "parallel.nodes=2",
+            "data.max_prompt_len=512",
             "rollout.max_new_tokens=1024", "eval.max_new_tokens=1024"]
     args = server_args(load_config(None, base + ["rollout.sglang_dp_size=16", "rollout.sglang_ep_size=16"]))
     assert args == {"tp_size": 16, "mem_fraction_static": 0.6, "context_length": 1536, "enable_dp_attention": True,
@@ -24,6 +25,42 @@ def test_server_args_for_dp_attention_ep_and_engines_over_nodes():
             load_config(None, base + [f"rollout.{field}={value}"])
     with pytest.raises(ConfigError, match=r"rollout\.sglang_server_args.*ep_size \(rollout\.sglang_ep_size\)"):
         load_config(None, ["rollout.sglang_server_args={ep_size: 8}"])
+
+
+def test_engines_over_nodes_dp_attention_and_ep_are_sglangs_and_checked_against_the_model():
+    over = ["parallel.rollout_tp=16", "parallel.gpus_per_node=8", "parallel.nodes=2"]
+    with pytest.raises(ConfigError, match=r"parallel\.rollout_tp.*only rollout\.engine=sglang"):
+        load_config(None, over)  # the builtin engine runs inside one node
+    with pytest.raises(ConfigError, match=r"part of one node or whole nodes"):
+        load_config(None, ["rollout.engine=sglang", "parallel.rollout_tp=12", "parallel.gpus_per_node=8",
+                           "parallel.nodes=3"])
+    with pytest.raises(ConfigError, match=r"rollout\.sglang_dp_size.*rollout\.engine is 'builtin'"):
+        load_config(None, ["parallel.rollout_tp=4", "rollout.sglang_dp_size=2"])
+    cfg = load_config(None, ["rollout.engine=sglang", "parallel.rollout_tp=8", "rollout.sglang_dp_size=8",
+                             "rollout.sglang_ep_size=8"])
+    # attention data parallelism splits heads over rollout_tp / dp = 1 GPU: 4 KV heads and 12 heads are fine
+    validate_model(cfg, {"num_attention_heads": 12, "num_key_value_heads": 4, "num_hidden_layers": 2,
+                         "num_experts": 16})
+    with pytest.raises(ConfigError, match=r"num_attention_heads=12 is not divisible by rollout_tp=8"):
+        validate_model(load_config(None, ["rollout.engine=sglang", "parallel.rollout_tp=8"]),
+                       {"num_attention_heads": 12, "num_key_value_heads": 4, "num_hidden_layers": 2})
+    with pytest.raises(ConfigError, match=r"rollout\.sglang_ep_size.*num_experts=12"):
+        validate_model(cfg, {"num_attention_heads": 16, "num_key_value_heads": 4, "num_hidden_layers": 2,
+                             "num_experts": 12})
+    with pytest.raises(ConfigError, match=r"rollout\.sglang_ep_size.*num_experts=None"):
+        validate_model(cfg, {"num_attention_heads": 16, "num_key_value_heads": 4, "num_hidden_layers": 2})
+
+
+def test_deepep_all_to_all_needs_deep_ep_installed():
+    from types import SimpleNamespace
+
+    from megarl.rollout.sglang.engine import SGLangEngine
+
+    fake = SimpleNamespace(__version__="0.5.23", Engine=None)
+    with pytest.raises(ImportError, match="DeepEP"):
+        SGLangEngine("/nowhere", sglang_module=fake, moe_a2a_backend="deepep")
+    with pytest.raises(FileNotFoundError, match="config.json"):  # without DeepEP the engine goes on to the model
+        SGLangEngine("/nowhere", sglang_module=fake)
 
 
 def test_each_engine_gpu_hosts_its_ep_ranks_experts():

@@ -100,6 +100,12 @@ def _import_sglang():
     return sglang
 
 
+def _has_module(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
 class SGLangEngine:
     """RolloutEngine backed by `sglang.Engine`; see the module docstring.
 
@@ -124,6 +130,10 @@ class SGLangEngine:
             raise ValueError(f"SGLangEngine: tp_size={self.tp_size} but the weight group has "
                              f"{group_size} ranks; colocation needs one rank per engine GPU")
         self.is_owner = group is None or dist.get_rank(group) == 0
+        if server_kwargs.get("moe_a2a_backend") == "deepep" and not _has_module("deep_ep"):
+            raise ImportError("rollout.sglang_server_args moe_a2a_backend=deepep needs DeepEP (the `deep_ep` "
+                              "package, built with NVSHMEM; SGLang's docker images carry it): install it or drop "
+                              "moe_a2a_backend (the planner then counts all-gathers: megarl plan)")
         self.nnodes = int(server_kwargs.get("nnodes", 1))
         if self.nnodes > 1 and group_size % self.nnodes:
             raise ValueError(f"SGLangEngine: nnodes={self.nnodes} does not divide the engine's {group_size} ranks")
