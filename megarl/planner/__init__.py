@@ -71,10 +71,17 @@ Time model (stated assumptions: --avg-prompt-len, --avg-response-len, --mfu, --d
   2 per weight per patch or merged token, non-causal attention 4 * patches * ctx * c per block)
   x (1 + 3 * epochs) for actor and critic (the tower is never recomputed), once for the reference
   and once in the rollout's prefill (2*N*prompt per sample there, image tokens included).
-  decode: per engine step time = max((weight bytes + KV bytes read) / (HBM bw * eff),
-  2*N*batch / (rollout_tp * peak * eff)), weight bytes = all LM parameters (a decode batch of
-  hundreds of tokens routes to nearly every expert; the vision tower is not read); steps =
-  max(longest response, tokens per engine / concurrent sequences the KV cache holds).
+  decode (megarl/planner/engine.py): steps = max(longest response, tokens per engine / concurrent
+  sequences the KV cache holds), at a mean batch of tokens per engine / steps; per step
+  max((weight bytes + KV bytes read) / (HBM bw * eff), 2*N*batch / (rollout_tp * peak * eff))
+  + the engine's communication (TP all-reduces; with attention DP the gathers or DeepEP
+  all-to-alls of the MoE layers, over InfiniBand when the engine spans nodes); weight bytes = all
+  LM parameters (a decode batch of hundreds of tokens routes to nearly every expert; the vision
+  tower is not read), attention replicated over the attention-DP groups.
+  host copies: rollout.offload_train_state moves the resident training state off and back, an
+  offloaded optimizer moves gradients and weights at every update, at 25 GB/s per GPU
+  (memory.host_transfer_s). Pipeline bubble: train time x (1 + (pp - 1) / (micro-batches x vpp)).
+  The search (`megarl plan --search`, megarl/planner/search.py) ranks layouts by this step.
 """
 
 from megarl.planner.activations import (

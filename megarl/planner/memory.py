@@ -230,14 +230,17 @@ def step_time(cfg: MegaRLConfig, arch: Arch, gpu: GPU, world: int, kv_tokens: fl
     seqs_per_engine = math.ceil(gen_prompts * r.n_samples_per_prompt / max(engines, 1))
     concurrent = max(1, min(seqs_per_engine, int(kv_tokens // seq)))
     steps = max(gen_cap, math.ceil(seqs_per_engine * resp / concurrent))
-    decode = engine.decode_step(arch, EngineShape.of(cfg), gpu, concurrent, seq / 2, decode_eff)
+    # the mean batch of a step: all sequences at once finish before the longest, so when the
+    # longest response sets the steps the batch averages below the KV cache's capacity
+    batch = seqs_per_engine * resp / steps
+    decode = engine.decode_step(arch, EngineShape.of(cfg), gpu, batch, seq / 2, decode_eff)
     decode_step = decode["step_s"]
     prefill_s = ((2.0 * n_actor * prompt + tower) * gen_prompts * r.n_samples_per_prompt
                  / (world * gpu.bf16_flops * mfu))
     rollout_s = steps * decode_step + prefill_s
     return {"avg_prompt_len": prompt, "avg_response_len": resp, "train_tokens": tokens, "train_flops": flops,
             "vision_flops_per_sample": tower,
-            "train_s": train_s, "pp_bubble": bubble, "concurrent_seqs_per_engine": concurrent, "seqs_per_engine": seqs_per_engine,
+            "train_s": train_s, "pp_bubble": bubble, "concurrent_seqs_per_engine": concurrent, "mean_decode_batch": batch, "seqs_per_engine": seqs_per_engine,
             "decode_steps": steps, "decode_step_s": decode_step, "decode_comm_s": decode["comm_s"], "rollout_s": rollout_s,
             "step_s": train_s + rollout_s, "mfu": mfu}
 

@@ -102,7 +102,8 @@ def rollout_space(cfg: MegaRLConfig, arch: Arch, max_engine_nodes: int = MAX_ENG
                 continue
             if deepep and not (ep > 1 and dp > 1):  # DeepEP's all-to-all serves DP attention + EP
                 continue
-            args = {**dict(r.sglang_server_args), **({"moe_a2a_backend": "deepep"} if deepep else {})}
+            args = {k: v for k, v in dict(r.sglang_server_args).items() if k != "moe_a2a_backend"}
+            args.update({"moe_a2a_backend": "deepep"} if deepep else {})
             out.append({"parallel.rollout_tp": tp, "rollout.sglang_dp_size": dp, "rollout.sglang_ep_size": ep,
                         "rollout.weights_dtype": dtype, "rollout.mem_fraction": mf, "rollout.sync_from_host": host,
                         "rollout.offload_train_state": True, "rollout.sglang_server_args": args})

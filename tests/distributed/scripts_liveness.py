@@ -768,6 +768,8 @@ WITNESSES = {
     "rollout.sglang_context_length": W("50000", obs_sglang_server_args),
     "rollout.sglang_chunked_prefill_size": W("8192", obs_sglang_server_args),
     "rollout.sglang_server_args": W("{{attention_backend: triton}}", obs_sglang_server_args),  # str.format braces
+    "rollout.sglang_dp_size": W("2", obs_sglang_server_args, "rollout.engine=sglang", "parallel.rollout_tp=2"),
+    "rollout.sglang_ep_size": W("2", obs_sglang_server_args, "rollout.engine=sglang", "parallel.rollout_tp=2"),
     "rollout.carry_over_groups": W("true", obs_collect, "algorithm.dynamic_sampling=true", "rollout.gen_batch_prompts=8"),
     "rollout.window_tokens": W("4", obs_sampling, "algorithm.advantage=egae"),
     "rollout.max_staleness": W("1", obs_windows, *TPPO),

@@ -42,6 +42,7 @@ def scaled_down(root: Path) -> list[str]:
         f"model.hf_path={root / 'model'}", "model.load=null", "model.dtype=fp32", "model.transformer_impl=local",
         "model.sequence_parallel=false", "model.recompute=null", "parallel.tp=1", "parallel.pp=1", "parallel.cp=1",
         "parallel.ep=1", "parallel.etp=null", "parallel.rollout_tp=1", "parallel.nodes=1", "parallel.gpus_per_node=2", "rollout.engine=builtin",
+        "rollout.sglang_dp_size=1", "rollout.sglang_ep_size=1", "rollout.sglang_server_args={}",
         f"data.train_path={root / 'task' / 'train.jsonl'}", f"data.eval=[{root / 'task' / 'eval.jsonl'}]",
         "data.prompt_template=arith", "data.apply_chat_template=false", "data.max_prompt_len=32",
         "rollout.n_samples_per_prompt=4",

@@ -463,8 +463,14 @@ def test_moe_layout_without_enough_expert_parallelism_is_rejected(gpu):
 def test_moe_cli(capsys):
     rc, out = plan_cli(capsys, "qwen3-30b-a3b", "vapo", "8node")
     assert rc == 0 and "FITS" in out and "3.35B active: 128 experts, top-8" in out
-    assert "ep=8 etp=1 edp=4" in out and "(1.81B routed experts)" in out and "MoE dispatcher" in out
-    assert "rollout_tp=8 (attention dp 8, engine ep 8)" in out
+    cfg = load_config([os.path.join(CONFIGS, "recipes", "qwen3-30b-a3b", "vapo.yaml"),
+                       os.path.join(CONFIGS, "layouts", "qwen3-30b-a3b", "8node.yaml")])
+    p = cfg.parallel
+    experts = QWEN3_30B.stage_expert_params(p.pp, p.ep, 1) / 1e9  # the last stage's routed experts per GPU
+    assert f"ep={p.ep} etp=1 edp={64 // (p.ep * p.pp)}" in out and f"({experts:.2f}B routed experts)" in out
+    assert "MoE dispatcher" in out
+    r = cfg.rollout
+    assert f"rollout_tp={p.rollout_tp} (attention dp {r.sglang_dp_size}, engine ep {r.sglang_ep_size})" in out
 
 
 def test_unmodelled_moe_is_refused():
