@@ -74,7 +74,7 @@ def test_weight_sync_streams_after_the_training_state_and_before_the_weights_lea
     """The actor's gradients and optimizer state (the critic entirely) leave before the engine's
     weights come back; the actor's weights stay for the stream and leave with generation."""
     run, log = components()
-    monkeypatch.setattr(megarl.weights, "stream_hf_weights", lambda modules, cfg, bucket: iter(["b0", "b1"]))
+    monkeypatch.setattr(megarl.weights, "stream_hf_weights", lambda modules, cfg, bucket, **kw: iter(["b0", "b1"]))
     run.actor.modules = []
     run.sync_weights(3)
     assert log == ["actor.offload(state)", "critic.offload", "engine.resume['weights']", "engine.update b0",
@@ -87,7 +87,7 @@ def test_weight_sync_streams_after_the_training_state_and_before_the_weights_lea
 
 def test_weight_sync_moves_nothing_without_offload_train_state(monkeypatch):
     run, log = components(offload=False)
-    monkeypatch.setattr(megarl.weights, "stream_hf_weights", lambda modules, cfg, bucket: iter(["b0"]))
+    monkeypatch.setattr(megarl.weights, "stream_hf_weights", lambda modules, cfg, bucket, **kw: iter(["b0"]))
     run.actor.modules = []
     run.sync_weights(1)
     assert log == ["engine.resume['weights']", "engine.update b0"]
