@@ -186,7 +186,7 @@ def recurrent_step(q, k, v, g, beta, state: torch.Tensor) -> tuple[torch.Tensor,
     """One token of every sequence: q, k [B, H, d_k], v [B, H, d_v], g, beta [B, H], state
     [B, H, d_k, d_v] (float32) -> (o [B, H, d_v] in q's dtype, the new state)."""
     dtype, dk = q.dtype, q.shape[-1]
-    q = l2norm(q.float()) * dk ** -0.5
+    q = l2norm(q.float()) / dk ** 0.5  # as transformers' recurrent kernel (its chunked one multiplies)
     k = l2norm(k.float())
     state = state * g.float().exp()[..., None, None]
     read = (state * k[..., None]).sum(-2)

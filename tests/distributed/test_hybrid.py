@@ -2,7 +2,8 @@
 Megatron on 4 gloo ranks, one launch (tests/distributed/scripts_hybrid.py): `megarl convert verify
 --packed --grad` at TP2, EP2, PP2 (stages of different layer kinds) and TP2xEP2, bit-exact
 HF -> Megatron -> HF streams, every delta-net layer against HF's on the same inputs at TP1 and TP2,
-packed sequences independent of each other, torch_dist saved at TP2 loaded at TP1."""
+packed sequences independent of each other, torch_dist saved at TP2 loaded at TP1, the builtin
+engine's log-probs equal to the actor's after a TP2 x EP2 weight stream (images for Qwen3.5-MoE)."""
 
 import pytest
 import torch
@@ -63,3 +64,10 @@ def test_torch_dist_saved_at_tp2_loads_at_tp1(results):
     r = results["ckpt"]
     assert r["loaded_vs_hf_import"] <= 1e-6
     assert r["roundtrip"]["exact_all_ranks"]
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
+def test_engine_logprobs_equal_the_actors_after_a_stream_from_tp2_ep2(results, family):
+    r = results["engine"][family]
+    assert r["n_tokens"] >= 12
+    assert r["logprob_max_abs_diff"] < 1e-4, r
