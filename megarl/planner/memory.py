@@ -115,7 +115,7 @@ def plan(cfg: MegaRLConfig, arch: Arch, hf: dict, gpu: GPU, reserve_gib: float =
             "leaving no KV cache; "
             f"an engine spans at most one node (rollout_tp <= gpus_per_node = {p.gpus_per_node}): the model does not "
             f"fit one engine of these GPUs; use GPUs with more memory{bigger}")
-    elif kv_tokens < longest:
+    elif kv_tokens < longest + arch.state_tokens(p.rollout_tp):  # hybrid models: + a sequence's recurrent state
         problems.append(f"rollout: the engine's KV cache holds {kv_tokens:,.0f} tokens per GPU group, less than one "
                         f"longest sequence ({longest:,}); raise rollout.mem_fraction or parallel.rollout_tp")
     if rollout_peak > cap:
@@ -180,7 +180,7 @@ def step_time(cfg: MegaRLConfig, arch: Arch, gpu: GPU, world: int, kv_tokens: fl
     n_critic = arch.active_params(value_head=True)
     samples = r.prompts_per_step * r.n_samples_per_prompt
     tokens = samples * seq
-    attn_fwd_per_token = 2.0 * arch.layers * arch.heads * (arch.head_dim + arch.value_dim) * (seq / 2)
+    attn_fwd_per_token = 2.0 * arch.attention_layers * arch.heads * (arch.head_dim + arch.value_dim) * (seq / 2)
 
     # the vision tower: forward FLOPs of a sample's images, never recomputed (3 passes to train)
     tower = images.per_sample * arch.vision.forward_flops(images.patches) if images and arch.vision else 0.0
@@ -200,10 +200,11 @@ def step_time(cfg: MegaRLConfig, arch: Arch, gpu: GPU, world: int, kv_tokens: fl
     engines = world // p.rollout_tp
     gen_prompts = (r.gen_batch_prompts or r.prompts_per_step) * gen_rounds
     seqs_per_engine = math.ceil(gen_prompts * r.n_samples_per_prompt / max(engines, 1))
-    concurrent = max(1, min(seqs_per_engine, int(kv_tokens // seq)))
+    concurrent = max(1, min(seqs_per_engine, int(kv_tokens // (seq + arch.state_tokens(p.rollout_tp)))))
     steps = max(gen_cap, math.ceil(seqs_per_engine * resp / concurrent))
     weight_bytes = arch.engine_weight_bytes(p.rollout_tp, lm_only=True)  # a decode batch touches nearly every expert
-    kv_read = concurrent * (seq / 2) * arch.kv_bytes_per_token(p.rollout_tp)
+    kv_read = concurrent * ((seq / 2) * arch.kv_bytes_per_token(p.rollout_tp)
+                            + 2 * arch.state_bytes_per_sequence(p.rollout_tp))  # hybrid: state read and written
     t_mem = (weight_bytes + kv_read) / (gpu.hbm_bytes_per_s * decode_eff)
     t_flops = 2.0 * n_actor * concurrent / (p.rollout_tp * gpu.bf16_flops * decode_eff)
     decode_step = max(t_mem, t_flops)

@@ -29,7 +29,7 @@ def train_rows(rows):
 def test_every_preset_ran():
     names = {p.relative_to(REPO / "configs").as_posix() for p in (REPO / "configs").glob("algorithms/*.yaml")}
     names |= {p.relative_to(REPO / "configs").as_posix() for p in (REPO / "configs").glob("recipes/*/*.yaml")}
-    assert len(names) == 31
+    assert len(names) == 34
 
 
 def test_pag_preset_rolls_out_multi_turn_trajectories(result):

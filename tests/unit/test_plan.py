@@ -253,6 +253,7 @@ LAYOUTS = sorted(glob.glob(os.path.join(CONFIGS, "layouts", "*", "*node.yaml")))
 ENGINE_TOO_BIG = "the model does not fit one engine of these GPUs"
 DOES_NOT_FIT = {("deepseek-v3", "dapo", "h100"): ENGINE_TOO_BIG, ("kimi-k2", "dapo", "h100"): ENGINE_TOO_BIG,
                 ("glm-4.5", "dapo", "h100"): "start the engine from an FP8 checkpoint",
+                ("qwen3.5-397b-a17b", "dapo", "h100"): "start the engine from an FP8 checkpoint",
                 # the actor's 19.3 GiB of bf16 weights (the stream's source) beside 119.8 GiB of FP8 engine
                 # weights: streaming from host-offloaded weights is not built (docs/cluster.md)
                 ("kimi-k2", "dapo", "h200"): "weight sync needs"}
@@ -285,6 +286,8 @@ def test_layout_set():
     assert {f"{m}/{n}node.yaml" for m in ("deepseek-v3", "kimi-k2") for n in (32, 64, 128)} <= names
     assert {f"{m}/{n}node.yaml" for m in ("glm-4.5", "glm-4.5-fp8") for n in (16, 32)} <= names
     assert {"glm-4.5-air/4node.yaml", "glm-4.5-air/8node.yaml"} <= names
+    assert {"qwen3.5-35b-a3b/2node.yaml", "qwen3.5-35b-a3b/4node.yaml"} <= names
+    assert {f"{m}/{n}node.yaml" for m in ("qwen3.5-397b-a17b", "qwen3.5-397b-a17b-fp8") for n in (16, 32)} <= names
     long = {os.path.relpath(p, os.path.join(CONFIGS, "layouts")) for p in LONG_LAYOUTS}
     assert {f"qwen2.5-32b/16node-{k}k.yaml" for k in (20, 32, 64)} <= long
 
