@@ -442,8 +442,25 @@ def validate_model(cfg: MegaRLConfig, hf_config: Any) -> None:
             "replays the experts of an MoE model, but the HF config has no num_experts (a dense model): set it to false")
     e.check(bool(experts) or not cfg.model.freeze_router, "model.freeze_router",
             "freezes the router of an MoE model, but the HF config has no num_experts (a dense model): set it to false")
+    _check_linear_attention(e, cfg, text)
     _check_te_cp_model(e, cfg, text, heads, kv)
     e.raise_if_any()
+
+
+def _check_linear_attention(e: _Errors, cfg: MegaRLConfig, text: Any) -> None:
+    """Gated delta-net layers (Qwen3-Next, Qwen3.5: `layer_types` "linear_attention"): no context
+    parallelism (megarl's layer, like megatron-core 0.16.1's, has none), key and value heads split
+    over the training and the rollout TP."""
+    linear = sum(t == "linear_attention" for t in (_get(text, "layer_types") or []))
+    if not linear:
+        return
+    p = cfg.parallel
+    e.check(p.cp == 1, "parallel.cp", f"cp={p.cp}: the {linear} gated delta-net layers (layer_types "
+            "'linear_attention') have no context parallelism; set parallel.cp=1")
+    nk, nv = _get(text, "linear_num_key_heads", default=0), _get(text, "linear_num_value_heads", default=0)
+    for field, size in (("parallel.tp", p.tp), ("parallel.rollout_tp", p.rollout_tp)):
+        e.check(nk % size == 0 and nv % size == 0, field,
+                f"linear_num_key_heads={nk} / linear_num_value_heads={nv} are not divisible by {field.split('.')[1]}={size}")
 
 
 def _check_te_cp_model(e: _Errors, cfg: MegaRLConfig, text: Any, heads: int, kv: int) -> None:

@@ -15,8 +15,8 @@ transformers and the Megatron model (fp32) at tp x pp x cp and prints `max_abs_l
 with --grad also `max_rel_grad_diff=<float>` (max over parameters of |g_megatron - g_hf| / |g_hf|
 for the summed log-likelihood, through the trainer's TrainModel path) as its last line. It exits 1
 when a difference exceeds --tol. For vision-language models (qwen2_5_vl, qwen3_vl; qwen3_vl_moe, also
-with --ep) verify feeds random images with the random text (megarl.convert.verify_vlm; no --grad /
---packed yet). qwen3_vl_moe's fused expert tensors are read in either on-disk layout and written in
+with --ep; qwen3_5, qwen3_5_moe) verify feeds random images with the random text
+(megarl.convert.verify_vlm); --grad then compares the gradients of the text batch (images: logits only). qwen3_vl_moe's fused expert tensors are read in either on-disk layout and written in
 the released one (megarl.weights.expert_layout).
 """
 
@@ -153,15 +153,17 @@ def verify_batch(args, vocab: int) -> list:
     return [torch.randint(0, vocab, (n,), generator=gen) for n in lengths]
 
 
-def hf_reference(args, seqs, dtype, grad: bool):
+def hf_reference(args, seqs, dtype, grad: bool, vision: bool = False):
     """HF logits of every sequence (run one at a time) and, with grad, the gradients of the summed
-    log-likelihood sum_i sum_t log p(x_{i,t+1} | x_{i,<=t}) by HF parameter name."""
+    log-likelihood sum_i sum_t log p(x_{i,t+1} | x_{i,<=t}) by HF parameter name (vision: the
+    image-text-to-text model, whose names are the checkpoint's, on text alone)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from megarl.weights.hf_reader import HFCheckpoint
 
-    hf = AutoModelForCausalLM.from_pretrained(args.hf, dtype=dtype).eval()
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    hf = auto.from_pretrained(args.hf, dtype=dtype).eval()
     logits = []
     with torch.set_grad_enabled(grad):
         total = 0.0
@@ -247,24 +249,31 @@ def verify(args, rank: int) -> int:
     dtype = _model_dtype(args, cfg)
     from megarl.models.families import arch_spec
 
-    if arch_spec(cfg).vision is not None:  # random images + text (megarl.convert.verify_vlm)
+    spec = arch_spec(cfg)
+    stats = torch.zeros(2, device=device())  # max |logit diff|, max relative grad diff
+    if spec.vision is not None:  # random images + text (megarl.convert.verify_vlm); gradients on text
         from megarl.convert.verify_vlm import verify_vlm
 
-        return verify_vlm(args, cfg, dtype, rank)
-    seqs = verify_batch(args, cfg.vocab_size)
-    model = build_model(cfg, dtype=dtype, impl=args.impl)
-    load_hf_weights(model, args.hf)
-    for c in model:
-        c.eval()
-    with torch.no_grad():
-        outs = packed_forward(model, seqs)
-    stats = torch.zeros(2, device=device())  # max |logit diff|, max relative grad diff
-    ref_logits, ref_grads = hf_reference(args, seqs, dtype, args.grad) if rank == 0 else ([], {})
-    logits = _to_rank0([o.cpu() for o in outs] if outs is not None else None)
-    if rank == 0:
-        stats[0] = max(float((m - r).abs().max()) for m, r in zip(logits, ref_logits))
-    if args.grad:
+        rc = verify_vlm(args, cfg, dtype, rank)
+        if not args.grad:
+            return rc
+        stats[0] = float(args.tol) + 1.0 if rc else 0.0
+        seqs = verify_batch(args, spec.vocab_size)
+        ref_grads = hf_reference(args, seqs, dtype, True, vision=True)[1] if rank == 0 else {}
+    else:
+        seqs = verify_batch(args, cfg.vocab_size)
+        model = build_model(cfg, dtype=dtype, impl=args.impl)
+        load_hf_weights(model, args.hf)
+        for c in model:
+            c.eval()
+        with torch.no_grad():
+            outs = packed_forward(model, seqs)
+        ref_logits, ref_grads = hf_reference(args, seqs, dtype, args.grad) if rank == 0 else ([], {})
+        logits = _to_rank0([o.cpu() for o in outs] if outs is not None else None)
+        if rank == 0:
+            stats[0] = max(float((m - r).abs().max()) for m, r in zip(logits, ref_logits))
         del model
+    if args.grad:
         grads = megatron_grads(args, cfg, dtype, seqs)
         if rank == 0:
             missing = sorted(set(ref_grads) - set(grads))
@@ -274,7 +283,8 @@ def verify(args, rank: int) -> int:
     if dist.get_world_size() > 1:
         dist.broadcast(stats, src=0)  # every rank exits with the same status
     if rank == 0:
-        print(f"max_abs_logit_diff={stats[0].item():.6e}", flush=True)
+        if spec.vision is None:  # verify_vlm printed its own
+            print(f"max_abs_logit_diff={stats[0].item():.6e}", flush=True)
         if args.grad:
             print(f"max_rel_grad_diff={stats[1].item():.6e}", flush=True)
     return EXIT_MISMATCH if float(stats.max()) > args.tol else 0

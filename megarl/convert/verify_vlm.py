@@ -57,8 +57,6 @@ def verify_vlm(args, hf_config, dtype, rank: int) -> int:
     from megarl.parallel.distributed import device
     from megarl.weights import load_hf_weights
 
-    if args.grad or args.packed:
-        raise ValueError(f"verify --grad / --packed are not supported for {hf_config.model_type!r} yet")
     spec = arch_spec(hf_config)
     ids, pv, grid, mm = random_vlm_batch(hf_config, spec, args.batch, args.seq, args.seed)
     model = build_model(hf_config, dtype=dtype, impl=args.impl)

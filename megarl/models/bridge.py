@@ -100,7 +100,21 @@ class FamilyRules:
     expected_shapes: Callable  # fn(spec, value_head) -> {hf name: shape}
 
 
-FAMILY_RULES: dict[str, FamilyRules] = {}  # ArchSpec.hf_rules -> rules (megarl.models.deepseek)
+FAMILY_RULES: dict[str, FamilyRules] = {}  # ArchSpec.hf_rules -> rules (megarl.models.deepseek, hybrid_bridge)
+
+
+@dataclass(frozen=True)
+class LayoutHandler:
+    """A TP layout defined elsewhere (megarl.models.hybrid_bridge): read(pm, reader, spec, local_shape,
+    tp_rank, tp) -> this rank's shard; shapes(pm, local_shape, spec, tp) -> the HF shapes;
+    merge(pm, shards, spec) -> the full HF tensors."""
+
+    read: Callable
+    shapes: Callable
+    merge: Callable
+
+
+LAYOUT_HANDLERS: dict[str, LayoutHandler] = {}  # layout name -> handler
 
 
 def _layer_rules(spec: ArchSpec) -> dict:
@@ -242,6 +256,8 @@ def read_shard(pm: ParamMap, reader: SliceReader, spec: ArchSpec, local_shape: t
                tp_rank: int, tp: int) -> torch.Tensor:
     """This TP rank's shard of `pm`, read from HF tensors (slices only, never the full tensor)."""
     names, layout = pm.hf_names, pm.layout
+    if layout in LAYOUT_HANDLERS:
+        return LAYOUT_HANDLERS[layout].read(pm, reader, spec, local_shape, tp_rank, tp)
     if layout == "replicated":
         return reader.read(names[0])
     if layout == "vocab":
@@ -285,6 +301,8 @@ def read_shard(pm: ParamMap, reader: SliceReader, spec: ArchSpec, local_shape: t
 def hf_shapes(pm: ParamMap, local_shape: tuple[int, ...], spec: ArchSpec, tp: int) -> list[tuple[int, ...]]:
     """Full HF shapes of the tensors `pm` exports, from this rank's local shard shape."""
     rest = tuple(local_shape[1:])
+    if pm.layout in LAYOUT_HANDLERS:
+        return LAYOUT_HANDLERS[pm.layout].shapes(pm, local_shape, spec, tp)
     if pm.layout == "replicated":
         return [tuple(local_shape)]
     if pm.layout == "vocab":
@@ -308,6 +326,8 @@ def hf_shapes(pm: ParamMap, local_shape: tuple[int, ...], spec: ArchSpec, tp: in
 
 def merge_shards(pm: ParamMap, shards: list[torch.Tensor], spec: ArchSpec) -> list[torch.Tensor]:
     """Full HF tensors (in `pm.hf_names` order) from the TP shards of all ranks, in rank order."""
+    if pm.layout in LAYOUT_HANDLERS:
+        return LAYOUT_HANDLERS[pm.layout].merge(pm, shards, spec)
     if pm.layout == "replicated":
         return [shards[0]]
     if pm.layout == "vocab":

@@ -105,6 +105,14 @@ def transformer_config(spec: ArchSpec, *, dtype: torch.dtype = torch.float32,
         overrides = {k: v for k, v in overrides.items() if not k.startswith("moe_")}
     if spec.mrope_section:  # M-RoPE of vision-language models (megarl.models.vision)
         kwargs["mrope_section"] = list(spec.mrope_section)
+    if spec.gdn is not None:  # hybrid linear attention (megarl.models.hybrid)
+        from megarl.models.hybrid import prepare_megatron_output_gate
+
+        prepare_megatron_output_gate()
+        linear = set(spec.gdn.linear_layers)  # megatron's pattern (1 = linear attention): per-layer checkpoint keys
+        kwargs.update(layernorm_zero_centered_gamma=spec.zero_centered_norm,
+                      attention_output_gate=spec.attention_output_gate,
+                      linear_attention_freq=[int(i in linear) for i in range(spec.num_layers)])
     config_class = TransformerConfig
     if spec.mla is not None:  # multi-latent attention (megarl.models.mla)
         from megatron.core.transformer.transformer_config import MLATransformerConfig
@@ -213,20 +221,40 @@ def layer_spec(spec: ArchSpec, impl: str = "local", dense: bool = False):
     return lspec
 
 
-def block_spec(lspec, config, impl: str, vp_stage: int | None, dense_lspec=None, first_dense: int = 0):
+def gdn_layer_spec(spec: ArchSpec, impl: str = "local"):
+    """The layer spec of a gated delta-net layer (`megarl.models.gdn`): the model's layer spec with
+    the delta-net as its token mixer (megarl's module under both specs; its input norm is megarl's
+    RMSNorm, as TE's fused one sits in the attention projection the delta-net does not have)."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from megarl.models.gdn import GatedDeltaNet
+    from megarl.models.norm import RMSNorm
+
+    lspec = layer_spec(spec, impl)
+    lspec.submodules.self_attention = ModuleSpec(module=GatedDeltaNet, params={"gdn": spec.gdn})
+    lspec.submodules.input_layernorm = RMSNorm
+    return lspec
+
+
+def block_spec(lspec, config, impl: str, vp_stage: int | None, dense_lspec=None, first_dense: int = 0,
+               gdn_lspec=None, linear_layers: tuple[int, ...] = ()):
     """The transformer block of one chunk: `lspec` for each of its layers, `dense_lspec` for those
-    among the model's first `first_dense` (global index); with the local spec, the final norm is
-    megarl's sequence-parallel capable RMSNorm (megatron's default for a layer spec is torch's,
-    which refuses sequence parallelism)."""
+    among the model's first `first_dense` (global index), `gdn_lspec` for the gated delta-net layers
+    `linear_layers` (global indices); with the local spec, the final norm is megarl's
+    sequence-parallel capable RMSNorm (megatron's default for a layer spec is torch's, which
+    refuses sequence parallelism)."""
     te = impl in ("te", "transformer_engine")
-    if te and not first_dense:
+    per_layer = bool(first_dense) or gdn_lspec is not None
+    if te and not per_layer:
         return lspec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
-    offset = get_transformer_layer_offset(config, vp_stage=vp_stage) if first_dense else 0
-    specs = [dense_lspec if offset + i < first_dense else lspec for i in range(n)]
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage) if per_layer else 0
+    linear = set(linear_layers)
+    specs = [gdn_lspec if offset + i in linear else dense_lspec if offset + i < first_dense else lspec
+             for i in range(n)]
     if te:
         from megatron.core.extensions.transformer_engine import TENorm
 
@@ -282,6 +310,8 @@ def build_model(hf_config: Any, *, dtype: torch.dtype | str = torch.float32, imp
     config = transformer_config(spec, dtype=dtype, overrides=config_overrides)
     lspec = layer_spec(spec, impl)
     dense_lspec = layer_spec(spec, impl, dense=True) if spec.moe_first_dense else None
+    gdn_lspec = gdn_layer_spec(spec, impl) if spec.gdn is not None else None
+    linear_layers = spec.gdn.linear_layers if spec.gdn is not None else ()
     # a vision-language config keeps the LM's RoPE settings in text_config; multi-latent attention
     # has its own rotary module per layer (megarl.models.mla)
     inv_freq = None if spec.mla is not None else hf_inv_freq(
@@ -292,7 +322,8 @@ def build_model(hf_config: Any, *, dtype: torch.dtype | str = torch.float32, imp
         vp = vp_stage if vp_size else None
         kwargs = dict(
             config=config, vocab_size=vocab,
-            transformer_layer_spec=block_spec(lspec, config, impl, vp, dense_lspec, spec.moe_first_dense),
+            transformer_layer_spec=block_spec(lspec, config, impl, vp, dense_lspec, spec.moe_first_dense,
+                                              gdn_lspec, linear_layers),
             max_sequence_length=spec.max_position_embeddings,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),

@@ -211,12 +211,16 @@ _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 
 
 def mtp_names(names, spec: ArchSpec) -> set[str]:
-    """The names among `names` of the multi-token-prediction layers (HF layer index >= num_layers)."""
+    """The names among `names` of the multi-token-prediction layers (HF layer index >= num_layers, or
+    under `mtp.`)."""
     if not spec.mtp_layers:
         return set()
     prefix = spec.hf_prefix
     out = set()
     for n in names:
+        if n.startswith("mtp."):  # Qwen3-Next / Qwen3.5 keep them apart
+            out.add(n)
+            continue
         m = _LAYER_INDEX.match(n[len(prefix):]) if n.startswith(prefix) else None
         if m and int(m.group(1)) >= spec.num_layers:
             out.add(n)

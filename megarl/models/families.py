@@ -77,6 +77,12 @@ class ArchSpec:
     # whether each layer's experts are two fused tensors (`megarl.models.vision.qwen3_vl_bridge`)
     hf_prefix: str = "model."
     hf_fused_experts: bool = False
+    # Hybrid linear attention (Qwen3-Next, Qwen3.5: megarl.models.hybrid): the gated delta-net layers
+    # (a `megarl.models.gdn.GDNSpec`; None = attention in every layer), a sigmoid output gate on the
+    # full-attention heads, zero-centred RMSNorm weights (y = x / rms(x) * (1 + w))
+    gdn: Any = None
+    attention_output_gate: bool = False
+    zero_centered_norm: bool = False
 
 
 FAMILIES = Registry("model family")  # HF model_type -> fn(hf_config) -> ArchSpec

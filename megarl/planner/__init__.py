@@ -27,7 +27,10 @@ DeepSeek-V3 / Kimi-K2 / GLM-4.5: the first dense_layers layers hold a dense MLP 
   shared expert has no gate, the router a bias of E; multi-latent attention's parameters,
   activations and latent KV cache (the same on every engine GPU), and the engine's weights in one
   byte per parameter for a block-FP8 checkpoint: megarl/planner/mla.py.
-Vision-language models (qwen2_5_vl, qwen3_vl, qwen3_vl_moe; the LM's fields from text_config or
+Hybrid models (qwen3_next, qwen3_5, qwen3_5_moe): gated delta-net layers' parameters and
+  activations, K / V in the attention layers only, and a recurrent state per sequence that does
+  not grow with its length: megarl/planner/hybrid.py.
+Vision-language models (qwen2_5_vl, qwen3_vl, qwen3_vl_moe, qwen3_5, qwen3_5_moe; the LM's fields from text_config or
   the top level, an MoE LM as above; megarl/planner/vision.py): the vision tower (VisionTower) sits on the first pipeline
   stage with its linears split over TP as megarl shards them (norms, patch embedding, position
   table and row-parallel biases replicated): P_gpu += P_vision_sharded / TP + P_vision_replicated

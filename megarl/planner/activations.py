@@ -50,6 +50,9 @@ Mixture of experts (megatron's MoE layer, alltoall token dispatcher; megatron re
     receive buffer, 2*k*t*h + 2*k*t*h*u bytes (+ 2*k*t*ETP*h*u for the expert-TP all-gather when
     ETP > 1), and the grouped GEMM's gradient buffers of the FC1 output and FC2 input in the
     backward, 6*k*t*f_e*u bytes.
+Hybrid models (Qwen3-Next, Qwen3.5): the attention terms are the mean over the layers of the gated
+    attention layers' (4*a*d + 4*g*d + C + 4*a*d for the gate and the gated output) and the
+    delta-net layers' (megarl/planner/hybrid.py).
 Vision tower (vision-language models; first pipeline stage, so x the micro-batches in flight
     there): P patches per micro-batch (plan.microbatch_patches: images x tokens * m^2), replicated
     over TP (no SP, no CP) and never recomputed (megarl's tower config has no recompute), c the
@@ -136,7 +139,10 @@ def activation_bytes_per_token_layer(arch: Arch, cfg: MegaRLConfig, seq_len: flo
     if arch.mla is not None:
         latents, attention = arch.mla.activation_bytes(a)
         replicated += latents
-    sharded = attention + 6.0 * f + core_attention_bytes_per_token(arch, cfg, seq_len)
+    mixer = attention + core_attention_bytes_per_token(arch, cfg, seq_len)
+    if arch.gdn is not None:  # hybrid: the mean over gated attention (+ gate and gated output 4ad) and delta-net layers
+        mixer = (arch.attention_layers * (mixer + 4.0 * a * d) + arch.gdn.layers * arch.gdn.activation_bytes()) / arch.layers
+    sharded = mixer + 6.0 * f
     moe = moe_bytes_per_local_token(arch, cfg, moe_imbalance) if moe_layer else 0.0
     if m.sequence_parallel:
         return (replicated + sharded + moe) / tp

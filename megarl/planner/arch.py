@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megarl.config import ConfigError, MegaRLConfig
+from megarl.planner.hybrid import GDNShape
 from megarl.planner.mla import MLAShape, engine_weight_bytes, fp8_checkpoint
 from megarl.planner.vision import VisionTower
 
@@ -34,7 +35,11 @@ GPUS = {
 
 
 # vision-language model_type -> the family of its language model (text_config)
-VLM_TEXT_FAMILY = {"qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3_moe"}
+VLM_TEXT_FAMILY = {"qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3_moe",
+                   "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+# hybrid gated delta-net families (megarl/planner/hybrid.py): q/k norms, a gate per query head
+HYBRID = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+SOFTMAX_MOE = ("qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_5_moe_text")
 # sigmoid-routed MoE families (megarl.models.deepseek): n_routed_experts, n_shared_experts ungated
 # experts of moe_intermediate_size, the first first_k_dense_replace layers dense
 SIGMOID_MOE = ("deepseek_v3", "kimi_k2", "glm4_moe")
@@ -54,8 +59,10 @@ class Arch:
     Kimi-K2 / GLM-4.5 (SIGMOID_MOE): the first dense_layers layers have a dense MLP of ffn, the
     shared expert has no gate, DeepSeek's attention is multi-latent (`mla`, megarl/planner/mla.py);
     fp8: the checkpoint's weights are block-FP8 (what the rollout engine holds); a vision-language
-    config (qwen2_5_vl, qwen3_vl, qwen3_vl_moe) adds its vision tower (`VisionTower`) and keeps
-    the LM's fields in text_config or at its top level (`lm_config`)."""
+    config (qwen2_5_vl, qwen3_vl, qwen3_vl_moe, qwen3_5, qwen3_5_moe) adds its vision tower
+    (`VisionTower`) and keeps the LM's fields in text_config or at its top level (`lm_config`);
+    hybrid models (qwen3_next, qwen3_5, qwen3_5_moe) have gated delta-net layers (`gdn`,
+    megarl/planner/hybrid.py)."""
 
     hidden: int
     layers: int
@@ -76,6 +83,7 @@ class Arch:
     shared_gate: bool = True
     mla: MLAShape | None = None
     fp8: bool = False
+    gdn: GDNShape | None = None  # hybrid models: the gated delta-net layers (megarl/planner/hybrid.py)
 
     @classmethod
     def from_hf(cls, hf: dict) -> "Arch":
@@ -88,9 +96,10 @@ class Arch:
         if family in SIGMOID_MOE:
             return cls._sigmoid_moe(hf, t)
         if any(t.get(k) for k in ("num_local_experts", "n_routed_experts")) or (
-                t.get("num_experts") and family not in ("qwen3_moe", "qwen2_moe")):
+                t.get("num_experts") and family not in SOFTMAX_MOE):
             raise ConfigError(f"planner: MoE model_type {model_type!r} is not modelled "
-                              f"(qwen3_moe, qwen2_moe, qwen3_vl_moe and {', '.join(SIGMOID_MOE)} are)")
+                              f"(qwen3_moe, qwen2_moe, qwen3_vl_moe, qwen3_next, qwen3_5_moe and "
+                              f"{', '.join(SIGMOID_MOE)} are)")
         heads = t["num_attention_heads"]
         experts = int(t.get("num_experts") or 0)
         # HF's Qwen2 attention (Qwen2.5-VL's LM too) ignores head_dim: hidden / heads
@@ -102,16 +111,17 @@ class Arch:
             heads=heads,
             kv_heads=t.get("num_key_value_heads") or heads,
             head_dim=head_dim,
-            ffn=t["intermediate_size"],
+            ffn=int(t.get("intermediate_size") or 0),  # Qwen3.5-MoE has no dense MLP
             vocab=t["vocab_size"],
             tie_embeddings=bool(tie),
             qkv_bias=bool(t.get("attention_bias", family in ("qwen2", "qwen2_moe"))),
-            qk_norm=family in ("qwen3", "qwen3_moe"),
+            qk_norm=family in ("qwen3", "qwen3_moe", *HYBRID),
             num_experts=experts,
             moe_topk=int(t.get("num_experts_per_tok") or 0) if experts else 0,
             moe_ffn=int(t.get("moe_intermediate_size") or 0) if experts else 0,
             shared_ffn=int(t.get("shared_expert_intermediate_size") or 0) if experts else 0,
             vision=VisionTower.from_hf(hf) if model_type in VLM_TEXT_FAMILY else None,
+            gdn=GDNShape.from_hf(t) if family in HYBRID else None, fp8=fp8_checkpoint(hf),
         )
 
     @classmethod
@@ -137,6 +147,11 @@ class Arch:
         return self.mla.v if self.mla is not None else self.head_dim
 
     @property
+    def attention_layers(self) -> int:
+        """Layers with softmax attention (a hybrid model's other layers are gated delta-nets)."""
+        return self.layers - (self.gdn.layers if self.gdn is not None else 0)
+
+    @property
     def moe_layers(self) -> int:
         """Layers whose MLP is a mixture of experts (all, or all but the first dense_layers)."""
         return self.layers - self.dense_layers if self.num_experts else 0
@@ -155,13 +170,21 @@ class Arch:
             return self.mla.sharded_params(self.hidden, self.heads)
         h, a, g, d = self.hidden, self.heads, self.kv_heads, self.head_dim
         attn = h * a * d + 2 * h * g * d + a * d * h
-        return attn + (a * d + 2 * g * d if self.qkv_bias else 0)
+        attn += a * d + 2 * g * d if self.qkv_bias else 0
+        if self.gdn is None:
+            return attn
+        # hybrid: the mean over the layers (within a parameter per layer) of gated attention (q_proj
+        # 2*a*d wide) and gated delta-net layers (megarl/planner/hybrid.py)
+        total = self.attention_layers * (attn + h * a * d) + self.gdn.layers * self.gdn.sharded_params(h)
+        return round(total / self.layers)
 
     def _replicated_layer_params(self, moe: bool = True) -> int:
         """Per layer, replicated over TP: two norms (2h), q/k norms (2d), multi-latent attention's
         down projections and latent norms, and in an MoE layer the router (E*h; E more for a
         sigmoid router's selection bias) and a shared expert gate (h)."""
         out = 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
+        if self.gdn is not None:  # q/k norms in the attention layers, the gated norm (d_v) in the others
+            out += round((self.gdn.layers * (self.gdn.value_dim - 2 * self.head_dim)) / self.layers)
         if self.mla is not None:
             out += self.mla.replicated_params(self.hidden)
         if self.num_experts and moe:
@@ -237,7 +260,16 @@ class Arch:
         if self.mla is not None:
             return self.mla.kv_bytes_per_token(self.layers)
         heads_per_gpu = self.kv_heads / rollout_tp if self.kv_heads >= rollout_tp else 1
-        return 2 * self.layers * heads_per_gpu * self.head_dim * 2
+        return 2 * self.attention_layers * heads_per_gpu * self.head_dim * 2  # a hybrid's attention layers only
+
+    def state_bytes_per_sequence(self, rollout_tp: int) -> float:
+        """A hybrid model's recurrent and conv states of one sequence on one engine GPU (constant in
+        its length; megarl/planner/hybrid.py); 0 for the other families."""
+        return self.gdn.state_bytes_per_sequence(rollout_tp) if self.gdn is not None else 0.0
+
+    def state_tokens(self, rollout_tp: int) -> float:
+        """That state in tokens of KV cache: what each sequence costs the engine's pool besides its tokens."""
+        return self.state_bytes_per_sequence(rollout_tp) / self.kv_bytes_per_token(rollout_tp)
 
     def engine_weight_bytes(self, rollout_tp: int, lm_only: bool = False, fp8: bool = False) -> float:
         """The rollout engine's weights on one GPU: 2 bytes per parameter / rollout_tp, or with a

@@ -123,7 +123,8 @@ def comm_s(arch: Arch, e: EngineShape, batch: float) -> float:
 
 def decode_step(arch: Arch, e: EngineShape, gpu: GPU, batch: float, context: float, eff: float) -> dict[str, float]:
     """Seconds of one decode step of `batch` sequences at mean `context` tokens (module doc)."""
-    kv_read = batch / e.dp * context * arch.kv_bytes_per_token(e.attn_tp)
+    kv_read = batch / e.dp * (context * arch.kv_bytes_per_token(e.attn_tp)
+                              + 2 * arch.state_bytes_per_sequence(e.attn_tp))  # hybrid: state read and written
     t_mem = (weight_bytes(arch, e, lm_only=True) + kv_read) / (gpu.hbm_bytes_per_s * eff)
     t_flops = 2.0 * arch.active_params() * batch / (e.tp * gpu.bf16_flops * eff)
     t_comm = comm_s(arch, e, batch)

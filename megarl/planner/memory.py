@@ -120,7 +120,7 @@ def plan(cfg: MegaRLConfig, arch: Arch, hf: dict, gpu: GPU, reserve_gib: float =
             + f", more than its share rollout.mem_fraction x capacity = {engine_share / GIB:.1f} GiB, "
             f"leaving no KV cache; raise parallel.rollout_tp (whole nodes with rollout.engine=sglang){bigger}, "
             "or use GPUs with more memory")
-    elif kv_tokens < longest * shape.dp:
+    elif kv_tokens < (longest + arch.state_tokens(shape.attn_tp)) * shape.dp:  # hybrid: + a sequence's recurrent state
         problems.append(f"rollout: the engine's KV cache holds {kv_tokens / shape.dp:,.0f} tokens per attention group, "
                         f"less than one longest sequence ({longest:,}); raise rollout.mem_fraction or "
                         "parallel.rollout_tp, or lower rollout.sglang_dp_size")
@@ -204,7 +204,7 @@ def step_time(cfg: MegaRLConfig, arch: Arch, gpu: GPU, world: int, kv_tokens: fl
     n_critic = arch.active_params(value_head=True)
     samples = r.prompts_per_step * r.n_samples_per_prompt
     tokens = samples * seq
-    attn_fwd_per_token = 2.0 * arch.layers * arch.heads * (arch.head_dim + arch.value_dim) * (seq / 2)
+    attn_fwd_per_token = 2.0 * arch.attention_layers * arch.heads * (arch.head_dim + arch.value_dim) * (seq / 2)
 
     # the vision tower: forward FLOPs of a sample's images, never recomputed (3 passes to train)
     tower = images.per_sample * arch.vision.forward_flops(images.patches) if images and arch.vision else 0.0
@@ -228,7 +228,7 @@ def step_time(cfg: MegaRLConfig, arch: Arch, gpu: GPU, world: int, kv_tokens: fl
     engines = world // p.rollout_tp
     gen_prompts = (r.gen_batch_prompts or r.prompts_per_step) * gen_rounds
     seqs_per_engine = math.ceil(gen_prompts * r.n_samples_per_prompt / max(engines, 1))
-    concurrent = max(1, min(seqs_per_engine, int(kv_tokens // seq)))
+    concurrent = max(1, min(seqs_per_engine, int(kv_tokens // (seq + arch.state_tokens(EngineShape.of(cfg).attn_tp)))))
     steps = max(gen_cap, math.ceil(seqs_per_engine * resp / concurrent))
     # the mean batch of a step: all sequences at once finish before the longest, so when the
     # longest response sets the steps the batch averages below the KV cache's capacity

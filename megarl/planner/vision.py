@@ -23,6 +23,8 @@ VISION_DEFAULTS = {
                      num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24]),
 }
 VISION_DEFAULTS["qwen3_vl_moe"] = VISION_DEFAULTS["qwen3_vl"]
+# Qwen3.5: the Qwen3-VL tower without DeepStack (transformers' Qwen3_5VisionConfig)
+VISION_DEFAULTS["qwen3_5"] = VISION_DEFAULTS["qwen3_5_moe"] = {**VISION_DEFAULTS["qwen3_vl"], "deepstack_visual_indexes": []}
 DEFAULT_IMAGE_PIXELS = 512 * 512  # a Geometry3K-sized diagram
 
 
@@ -36,7 +38,7 @@ class VisionTower:
     fused qkv (3c x c + 3c), proj (c x c + c), SwiGLU MLP with biases (gate, up: f x c + f;
     down: c x f + c); windowed attention (window_size px) except fullatt_block_indexes; merger
     RMSNorm(c), Linear(u, u), GELU, Linear(u, out).
-    Qwen3-VL (qwen3_vl, qwen3_vl_moe): LayerNorm (weight + bias), GELU MLP (fc1: f x c + f; fc2:
+    Qwen3-VL (qwen3_vl, qwen3_vl_moe; Qwen3.5's qwen3_5, qwen3_5_moe without DeepStack): LayerNorm (weight + bias), GELU MLP (fc1: f x c + f; fc2:
     c x f + c), patch embedding with bias, a learned position table (num_position_embeddings x c),
     full attention in every block, the merger with LayerNorm(c), and one DeepStack merger per
     deepstack_visual_indexes (LayerNorm over u, then the same two linears).

@@ -57,6 +57,7 @@ from megarl.weights.fp8_blocks import dequantized_stream
 # registers the vision-language families of MODEL_FAMILIES (model_args_from_hf_config)
 from megarl.rollout.torch_qwen3_vl import vision_lm_class
 from megarl.rollout.torch_mla import past_last_layer  # (also registers deepseek_v3, kimi_k2, glm4_moe)
+from megarl.rollout import torch_hybrid as _hybrid  # noqa: F401  (registers qwen3_next, qwen3_5, qwen3_5_moe)
 from megarl.rollout.torch_vlm import check_images, hf_param_name
 from megarl.rollout.types import PromptImages, Sample, SamplingParams
 
@@ -353,7 +354,7 @@ class BuiltinEngine:
         logits [B, V] of its last position. Rows are prefilled in groups of similar length (powers
         of two), each left-padded only to its own longest context: a T-PPO window mixes short
         prompts with long carried responses, and one padded batch would compute mostly padding.
-        Slots left of a group's width are zeroed (they are masked, and 0 * NaN garbage is NaN).
+        Slots left of a group's width are zeroed (`KVCache.write_rows`).
         With a routing tape, also each context's experts [len, layers, k] (else Nones). `vision`
         (vision-language models): each context's `torch_vlm.VisionContext` (M-RoPE positions,
         image / video embeddings, DeepStack features)."""
@@ -385,9 +386,7 @@ class BuiltinEngine:
                 for r, i in enumerate(members):
                     routing[i] = rec[r, L - lens[i]:]
             idx = torch.tensor(members, device=dev)
-            for full, new in zip((*cache.keys, *cache.values), (*part.keys, *part.values)):
-                full[idx, :, width - L:width] = new
-                full[idx, :, :width - L] = 0
+            cache.write_rows(idx, part, width)
             if logits is None:
                 logits = out.new_empty(len(contexts), out.shape[-1])
             logits[idx] = out

@@ -215,8 +215,10 @@ _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
 def past_last_layer(name: str, args: ModelArgs) -> bool:
     """Whether `name` is a tensor of a multi-token-prediction layer (DeepSeek-V3 / GLM-4.5 store
-    them as layers num_layers, ...), which the engine does not run."""
+    them as layers num_layers, ...; Qwen3-Next / Qwen3.5 under `mtp.`), which the engine does not run."""
     mtp = args.variant.mtp_layers if args.variant is not None else 0
+    if mtp and name.startswith("mtp."):  # Qwen3-Next / Qwen3.5 keep them apart
+        return True
     m = _LAYER_INDEX.match(name) if mtp else None
     return m is not None and args.num_layers <= int(m.group(1)) < args.num_layers + mtp
 

@@ -216,6 +216,8 @@ def kv_cache_bytes(args: ModelArgs, batch: int, max_len: int, dtype: torch.dtype
     """Bytes of a KV cache: layers * (key + value buffer elements) * element size, i.e.
     layers * 2 (K, V) * batch * max_len * kv_heads * head_dim * element size for standard attention."""
     element = torch.empty(0, dtype=dtype).element_size()
+    if hasattr(args.variant, "cache_bytes"):  # layers of several kinds (torch_hybrid)
+        return args.variant.cache_bytes(args, batch, max_len, element)
     k, v = cache_shapes(args, batch, max_len)
     return args.num_layers * (math.prod(k) + math.prod(v)) * element
 
@@ -260,6 +262,8 @@ class KVCache:
     @classmethod
     def allocate(cls, args: ModelArgs, batch: int, max_len: int, dtype: torch.dtype,
                  device: torch.device) -> "KVCache":
+        if hasattr(args.variant, "allocate_cache"):  # a family's own cache (torch_hybrid: recurrent states)
+            return args.variant.allocate_cache(args, batch, max_len, dtype, device)
         k, v = cache_shapes(args, batch, max_len)
         return cls([torch.empty(k, dtype=dtype, device=device) for _ in range(args.num_layers)],
                    [torch.empty(v, dtype=dtype, device=device) for _ in range(args.num_layers)])
@@ -267,6 +271,13 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    def write_rows(self, rows: torch.Tensor, part: "KVCache", width: int) -> None:
+        """Copies a prefill's cache `part` (its rows of L slots) into rows `rows`, slots
+        [width - L, width), zeroing the slots left of them (masked; 0 * NaN garbage would be NaN)."""
+        for full, new in zip((*self.keys, *self.values), (*part.keys, *part.values)):
+            full[rows, :, width - new.shape[2]:width] = new
+            full[rows, :, :width - new.shape[2]] = 0
 
     def select_rows(self, rows: torch.Tensor) -> None:
         for i in range(len(self.keys)):
@@ -332,8 +343,12 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, index: int = 0):
         super().__init__()
-        if args.variant is not None:  # the family's attention and MLP of layer `index` (torch_mla)
-            self.self_attn, self.mlp = args.variant.layer(args, index)
+        self.mixer_name = "self_attn"
+        norm = getattr(args.variant, "norm", RMSNorm)  # torch_hybrid: zero-centred
+        if args.variant is not None:  # the family's token mixer and MLP of layer `index` (torch_mla, torch_hybrid)
+            mixer, self.mlp = args.variant.layer(args, index)
+            self.mixer_name = getattr(args.variant, "mixer_name", lambda i: "self_attn")(index)  # HF's name
+            setattr(self, self.mixer_name, mixer)
         elif args.num_experts:
             from megarl.rollout.torch_moe import SparseMoE
 
@@ -342,11 +357,12 @@ class DecoderLayer(nn.Module):
                                  args.norm_topk_prob, args.shared_expert_intermediate_size)
         else:
             self.self_attn, self.mlp = Attention(args), MLP(args)
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.input_layernorm = norm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = norm(args.hidden_size, args.rms_norm_eps)
 
     def forward(self, x, cos, sin, k_cache, v_cache, start, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, start, mask)
+        mixer = getattr(self, self.mixer_name)
+        x = x + mixer(self.input_layernorm(x), cos, sin, k_cache, v_cache, start, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -355,7 +371,7 @@ class _Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.norm = getattr(args.variant, "norm", RMSNorm)(args.hidden_size, args.rms_norm_eps)
 
 
 class DecoderLM(nn.Module):

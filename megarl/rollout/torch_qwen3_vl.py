@@ -1,4 +1,5 @@
-"""Qwen3-VL (`qwen3_vl`) and Qwen3-VL-MoE (`qwen3_vl_moe`) for the builtin rollout engine.
+"""Qwen3-VL (`qwen3_vl`) and Qwen3-VL-MoE (`qwen3_vl_moe`) for the builtin rollout engine, and the
+vision side of Qwen3.5 (`qwen3_5`, `qwen3_5_moe`: its layers from `torch_hybrid`, no DeepStack).
 
 `Qwen3VisionLM` is `torch_vlm.VisionLM` (prompt contexts, images and videos, rope deltas, prefill
 inputs) with Qwen3-VL's parts, following transformers 5.19 `models/qwen3_vl/modeling_qwen3_vl.py`
@@ -201,17 +202,17 @@ class Qwen3VisionLM(VisionLM):
     def __init__(self, args: ModelArgs):
         DecoderLM.__init__(self, args)
         self.visual = Qwen3VisionTower(args.vision)
-        if args.num_experts:
+        if args.num_experts and args.variant is None:  # Qwen3.5-MoE (a variant): per-expert tensors
             for layer in self.model.layers:
                 layer.mlp = FusedSparseMoE(args.hidden_size, args.num_experts, args.moe_topk,
                                            args.moe_intermediate_size)
-        axes = interleaved_mrope_axes(args.mrope_section, args.head_dim // 2)
+        axes = interleaved_mrope_axes(args.mrope_section, self.inv_freq.numel())  # Qwen3.5: the rotated quarter
         self.register_buffer("mrope_axes", axes, persistent=False)
 
     @classmethod
     def empty(cls, args: ModelArgs, dtype: torch.dtype, device: torch.device) -> "Qwen3VisionLM":
         model = super().empty(args, dtype, device)
-        model.mrope_axes = interleaved_mrope_axes(args.mrope_section, args.head_dim // 2).to(device)
+        model.mrope_axes = interleaved_mrope_axes(args.mrope_section, model.inv_freq.numel()).to(device)
         return model
 
     def visual_embeddings(self, pixels: torch.Tensor, grid: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -18,7 +18,8 @@ replace every dense MLP by `num_experts` experts of `moe_intermediate`, `moe_top
 with moe_intermediate = intermediate / moe_topk a token costs the dense model's MLP FLOPs.
 `DeepseekV3Config` ("deepseek_v3": multi-latent attention) and `Glm4MoeConfig` ("glm4_moe") route
 by sigmoid scores with a selection bias and keep a dense first layer and a shared expert
-(`_sigmoid_moe_config`).
+(`_sigmoid_moe_config`). `Qwen3NextConfig` ("qwen3_next") has gated delta-net layers and one gated
+attention layer (`_qwen3_next_config`).
 `vocab_size` is the tokenizer size rounded up to `vocab_multiple` (like real Qwen checkpoints,
 whose embedding has spare rows), which keeps vocab-parallel splits even.
 """
@@ -90,7 +91,7 @@ class TinyModelSpec:
     moe_intermediate: int = 0
 
 
-TINY_FAMILIES = ("qwen2", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe")
+TINY_FAMILIES = ("qwen2", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe", "qwen3_next")
 
 
 def tiny_config(tokenizer: Any, spec: TinyModelSpec) -> Any:
@@ -125,6 +126,8 @@ def tiny_config(tokenizer: Any, spec: TinyModelSpec) -> Any:
                                            norm_topk_prob=True)
     if spec.family in ("deepseek_v3", "glm4_moe"):
         return _sigmoid_moe_config(spec, common)
+    if spec.family == "qwen3_next":
+        return _qwen3_next_config(spec, common, moe)
     return transformers.Qwen2MoeConfig(**common, **moe, norm_topk_prob=False,
                                        shared_expert_intermediate_size=spec.moe_intermediate)
 
@@ -152,6 +155,21 @@ def _sigmoid_moe_config(spec: TinyModelSpec, common: dict) -> Any:
             kv_lora_rank=spec.hidden // 2, qk_nope_head_dim=d, qk_rope_head_dim=d // 2, v_head_dim=d)
     return transformers.Glm4MoeConfig(**common, **moe, head_dim=d, attention_bias=True, use_qk_norm=True,
                                       partial_rotary_factor=0.5)
+
+
+def _qwen3_next_config(spec: TinyModelSpec, common: dict, moe: dict) -> Any:
+    """Qwen3-Next (megarl.models.hybrid): every layer but the last a gated delta-net (2 key / 4 value
+    heads of hidden / 4), the last gated attention with RoPE on a quarter of each head; every MLP
+    the MoE plus a gated shared expert of `moe_intermediate`."""
+    import transformers
+
+    common = {k: v for k, v in common.items() if k not in ("use_sliding_window", "rope_theta")}
+    d = spec.hidden // spec.heads
+    return transformers.Qwen3NextConfig(
+        **common, **moe, head_dim=d, norm_topk_prob=True, shared_expert_intermediate_size=spec.moe_intermediate,
+        layer_types=["linear_attention"] * (spec.layers - 1) + ["full_attention"], linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=spec.hidden // 4, linear_value_head_dim=spec.hidden // 4,
+        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta, "partial_rotary_factor": 0.25})
 
 
 def build_tiny_model(tokenizer: Any, spec: TinyModelSpec) -> Any:

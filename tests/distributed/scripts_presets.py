@@ -80,6 +80,7 @@ PRESET_EXTRA = {
 
 # sigmoid-routed MoE families (configs/models/*.json model_type) -> the tiny model of their family
 SIGMOID_MOE_MODELS = {"deepseek_v3": "deepseek_model", "kimi_k2": "deepseek_model", "glm4_moe": "glm_model"}
+HYBRID_MODELS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")  # -> root/hybrid_model (a tiny qwen3_next)
 
 
 def moe_extra(config: str, root: Path) -> list[str]:
@@ -91,6 +92,8 @@ def moe_extra(config: str, root: Path) -> list[str]:
     hf = json.loads(path.read_text()) if name and path.exists() else {}
     if hf.get("model_type") in SIGMOID_MOE_MODELS:
         return [f"model.hf_path={root / SIGMOID_MOE_MODELS[hf['model_type']]}", "parallel.ep=2"]
+    if hf.get("model_type") in HYBRID_MODELS:  # gated delta-net layers: the tiny Qwen3-Next
+        return [f"model.hf_path={root / 'hybrid_model'}", "parallel.ep=2"]
     if not (hf.get("num_experts") or (hf.get("text_config") or {}).get("num_experts")):
         return []
     return [f"model.hf_path={root / 'moe_model'}", "parallel.ep=2"]

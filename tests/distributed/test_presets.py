@@ -11,7 +11,7 @@ from tests.distributed.launch import REPO, rl_files, run_worker, tiny_model
 def result(tmp_path_factory):
     root = rl_files(tmp_path_factory.mktemp("presets"), n_sft=4, n_eval=4)
     tiny_model(root / "moe_model", family="qwen3_moe", num_experts=4, moe_topk=2, moe_intermediate=64)
-    for family, name in (("deepseek_v3", "deepseek_model"), ("glm4_moe", "glm_model")):
+    for family, name in (("deepseek_v3", "deepseek_model"), ("glm4_moe", "glm_model"), ("qwen3_next", "hybrid_model")):
         tiny_model(root / name, family=family, num_experts=4, moe_topk=2, moe_intermediate=64)
     return run_worker("scripts_presets.py", 2, root, timeout=1200)
 
@@ -29,7 +29,7 @@ def train_rows(rows):
 def test_every_preset_ran():
     names = {p.relative_to(REPO / "configs").as_posix() for p in (REPO / "configs").glob("algorithms/*.yaml")}
     names |= {p.relative_to(REPO / "configs").as_posix() for p in (REPO / "configs").glob("recipes/*/*.yaml")}
-    assert len(names) == 31
+    assert len(names) == 34
 
 
 def test_pag_preset_rolls_out_multi_turn_trajectories(result):
@@ -138,3 +138,14 @@ def test_every_objective_runs_rl_steps(result):
             assert math.isfinite(r["actor/pg_loss"]) and math.isfinite(r["actor/grad_norm"]), (name, r)
             assert OBJECTIVE_METRIC[name.split("/", 1)[1]] in r, name
             assert "actor/kl_loss" not in r, name
+
+
+def test_hybrid_recipes_ran_on_the_tiny_qwen3_next(result):
+    # Qwen3.5-35B-A3B / 397B-A17B recipes on a tiny Qwen3-Next (gated delta-net layers and one gated
+    # attention layer, MoE with a shared expert): experts over 2 ranks, every token's experts replayed
+    runs = {k: v["rows"] for k, v in result.items() if k.startswith("recipes/qwen3.5-")}
+    assert len(runs) == 3
+    for name, rows in runs.items():
+        rows = train_rows(rows)
+        assert rows and all(r["moe/replayed_fraction"] == 1.0 for r in rows), name
+

@@ -27,7 +27,8 @@ def test_expected_files_are_shipped():
         f"{m}/{a}.yaml" for m in ("qwen3-30b-a3b", "qwen3-235b-a22b") for a in ("dapo", "vapo")} | {
         "qwen2.5-vl-7b/dapo.yaml", "qwen2.5-vl-7b/grpo.yaml", "qwen2.5-vl-32b/dapo.yaml", "qwen3-vl-30b-a3b/dapo.yaml",
         "qwen3-vl-235b-a22b/dapo.yaml"} | {
-        f"{m}/dapo.yaml" for m in ("deepseek-v3", "kimi-k2", "glm-4.5", "glm-4.5-fp8", "glm-4.5-air")}
+        f"{m}/dapo.yaml" for m in ("deepseek-v3", "kimi-k2", "glm-4.5", "glm-4.5-fp8", "glm-4.5-air")} | {
+        f"{m}/dapo.yaml" for m in ("qwen3.5-35b-a3b", "qwen3.5-397b-a17b", "qwen3.5-397b-a17b-fp8")}
     assert {os.path.basename(p) for p in ALGORITHMS} == {f"{a}.yaml" for a in ("grpo", "dapo", "ppo", "vc_ppo", "vapo", "tppo", "pag", "pairwise_rl", "code_prm", "retool")}
 
 

@@ -290,6 +290,8 @@ def test_layout_set():
     assert {f"{m}/{n}node.yaml" for m in ("deepseek-v3", "kimi-k2") for n in (32, 64, 128)} <= names
     assert {f"{m}/{n}node.yaml" for m in ("glm-4.5", "glm-4.5-fp8") for n in (16, 32)} <= names
     assert {"glm-4.5-air/4node.yaml", "glm-4.5-air/8node.yaml"} <= names
+    assert {"qwen3.5-35b-a3b/2node.yaml", "qwen3.5-35b-a3b/4node.yaml"} <= names
+    assert {f"{m}/{n}node.yaml" for m in ("qwen3.5-397b-a17b", "qwen3.5-397b-a17b-fp8") for n in (16, 32)} <= names
     long = {os.path.relpath(p, os.path.join(CONFIGS, "layouts")) for p in LONG_LAYOUTS}
     assert {f"qwen2.5-32b/16node-{k}k.yaml" for k in (20, 32, 64)} <= long
 

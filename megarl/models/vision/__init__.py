@@ -22,7 +22,7 @@ __all__ = ["Qwen3VisionSpec", "VisionSpec", "model_class"]
 
 def model_class(spec):
     """The megatron model class of a vision-language `ArchSpec` (built as cls(arch_spec=spec, **GPTModel kwargs))."""
-    if spec.model_type in ("qwen3_vl", "qwen3_vl_moe"):
+    if spec.model_type in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"):
         from megarl.models.vision.qwen3_vl_model import Qwen3VLMoeModel
 
         return Qwen3VLMoeModel

@@ -37,8 +37,8 @@ class InterleavedMRoPE(MultimodalRotaryEmbedding):
     """megatron's M-RoPE module with Qwen3-VL's interleaved frequency assignment (module doc);
     returns the angles [s, b, 1, head_dim] megatron's attention applies (rotate-half layout)."""
 
-    def __init__(self, kv_channels: int, rotary_base: float):
-        super().__init__(kv_channels=kv_channels, rotary_percent=1.0, rotary_base=rotary_base)
+    def __init__(self, kv_channels: int, rotary_base: float, rotary_percent: float = 1.0):
+        super().__init__(kv_channels=kv_channels, rotary_percent=rotary_percent, rotary_base=rotary_base)
 
     def forward(self, position_ids: torch.Tensor, mrope_section, cp_group=None) -> torch.Tensor:
         if cp_group is not None and cp_group.size() > 1:
@@ -70,7 +70,8 @@ class Qwen3VLMoeModel(Qwen2_5_VLModel):
 
     def __init__(self, *, arch_spec, **gpt_kwargs):
         super().__init__(arch_spec=arch_spec, **gpt_kwargs)
-        self.rotary_pos_emb = InterleavedMRoPE(self.config.kv_channels, gpt_kwargs.get("rotary_base", 10000))
+        self.rotary_pos_emb = InterleavedMRoPE(self.config.kv_channels, gpt_kwargs.get("rotary_base", 10000),
+                                               arch_spec.rotary_percent)  # Qwen3.5: the first quarter of a head
         indexes = arch_spec.vision.deepstack_visual_indexes
         self.deepstack_levels = len(indexes)
         first = _first_stage_layers(self.config)

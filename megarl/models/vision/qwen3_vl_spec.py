@@ -75,7 +75,7 @@ def qwen3_vision_spec(hf_config: Any) -> Qwen3VisionSpec:
         _fail(f"vision rope_type={rope.get('rope_type')!r}", mt)
     if v.hidden_size % v.num_heads:
         _fail(f"vision hidden_size={v.hidden_size} not divisible by num_heads={v.num_heads}", mt)
-    indexes = tuple(int(i) for i in v.deepstack_visual_indexes)
+    indexes = tuple(int(i) for i in getattr(v, "deepstack_visual_indexes", None) or ())  # Qwen3.5: none
     if any(not 0 <= i < v.depth for i in indexes):
         _fail(f"deepstack_visual_indexes={list(indexes)} outside the {v.depth} vision blocks", mt)
     return Qwen3VisionSpec(
