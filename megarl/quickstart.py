@@ -213,12 +213,13 @@ def save_quickstart_model(out: Path, cfg: MegaRLConfig) -> None:
 
         save_tiny_vlm(out, seed=cfg.trainer.seed)
         return
-    if cfg.quickstart.family == "qwen3_vl_moe":
+    if cfg.quickstart.family in ("qwen3_vl_moe", "qwen3_5_moe"):
         from megarl.tasks.tiny_qwen3_vl import TinyQwen3VLSpec, save_tiny_qwen3_vl
 
         q = cfg.quickstart
         save_tiny_qwen3_vl(out, TinyQwen3VLSpec(num_experts=q.num_experts, moe_topk=q.moe_topk,
-                                                moe_intermediate=q.moe_intermediate), seed=cfg.trainer.seed)
+                                                moe_intermediate=q.moe_intermediate, hybrid=q.family == "qwen3_5_moe"),
+                           seed=cfg.trainer.seed)
         return
     from megarl.tasks.tiny_model import save_tiny_model
 
@@ -241,7 +242,7 @@ def _check_built_model(model_dir: Path, cfg: MegaRLConfig) -> None:
     from transformers import AutoConfig
 
     built = AutoConfig.from_pretrained(model_dir)
-    vlm = ("qwen2_5_vl", "qwen3_vl_moe")  # vision-language families: the model type is the whole check
+    vlm = ("qwen2_5_vl", "qwen3_vl_moe", "qwen3_5_moe")  # vision-language families: the model type is the whole check
     if (built.model_type in vlm or cfg.quickstart.family in vlm) and built.model_type != cfg.quickstart.family:
         raise SystemExit(f"quickstart: {model_dir} holds a tiny {built.model_type} model, but quickstart.family is "
                          f"{cfg.quickstart.family!r}; use another trainer.run_dir")

@@ -438,11 +438,13 @@ class QuickstartConfig:
     task: str = doc_field(
         "arith", "synthetic task megarl quickstart writes and trains on: a name registered in megarl.tasks "
         "(module megarl.tasks.<task>), e.g. arith")
-    family: Literal["qwen2", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe", "qwen2_5_vl", "qwen3_vl_moe"] = doc_field(
+    family: Literal["qwen2", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe", "qwen2_5_vl", "qwen3_vl_moe",
+                    "qwen3_5_moe"] = doc_field(
         "qwen2", "tiny model that megarl quickstart builds: dense Qwen2, Qwen3-MoE / Qwen2-MoE (shared expert), "
         "DeepSeek-V3 (multi-latent attention) / GLM-4.5 (sigmoid routing with a selection bias, shared expert, "
-        "dense first layer), or the vision-language Qwen2.5-VL (megarl.tasks.tiny_vlm) / Qwen3-VL-MoE "
-        "(megarl.tasks.tiny_qwen3_vl; quickstart.num_experts etc.), with their image processors")
+        "dense first layer), or the vision-language Qwen2.5-VL (megarl.tasks.tiny_vlm) / Qwen3-VL-MoE / "
+        "Qwen3.5-MoE (gated delta-net layers; megarl.tasks.tiny_qwen3_vl; quickstart.num_experts etc.), with "
+        "their image processors")
     num_experts: int = doc_field(8, "experts per MoE layer of the tiny MoE model (MoE families only)")
     moe_topk: int = doc_field(2, "experts each token is routed to (MoE families only)")
     moe_intermediate: int = doc_field(

@@ -1,6 +1,7 @@
-"""A tiny random Qwen3-VL-MoE (`Qwen3VLMoeForConditionalGeneration`) or Qwen3-VL
-(`Qwen3VLForConditionalGeneration`) with the byte-level tokenizer and small-image / video processor
-settings, built offline for the VLM-MoE quickstart and the tests.
+"""A tiny random Qwen3-VL-MoE (`Qwen3VLMoeForConditionalGeneration`), Qwen3-VL
+(`Qwen3VLForConditionalGeneration`) or Qwen3.5-MoE (`Qwen3_5MoeForConditionalGeneration`, `hybrid`)
+with the byte-level tokenizer and small-image / video processor settings, built offline for the
+VLM-MoE quickstarts and the tests.
 
 Tokenizer and chat template: `megarl.tasks.tiny_vlm.build_vlm_tokenizer` (bytes, EOS / chat tokens,
 ``<|vision_start|>``, ``<|vision_end|>``, ``<|image_pad|>``, ``<|video_pad|>``), vocabulary rounded
@@ -19,6 +20,11 @@ within [16x16, 64x64]; `AutoImageProcessor` loads it) and `video_preprocessor_co
 `Qwen3VLVideoProcessor`'s format (the same patch sizes, whole clips within [2 x 16x16, 8 x 64x64]
 pixels, mean / std 0.5, fps 2, at most 16 frames), which `megarl.data.video` reads (transformers
 5.19 itself cannot build a video processor without torchvision).
+
+Qwen3.5-MoE (`hybrid=True`, megarl.models.hybrid): the same sizes, but every LM layer but the last a
+gated delta-net (2 key / 4 value heads of 32, convolution kernel 4), the last gated attention with
+RoPE on a quarter of each head (interleaved M-RoPE sections (2, 1, 1)), a gated shared expert of
+`moe_intermediate` beside the routed experts, and no DeepStack.
 """
 
 from __future__ import annotations
@@ -67,15 +73,20 @@ class TinyQwen3VLSpec:
     min_pixels: int = 16 * 16
     max_pixels: int = 64 * 64
     max_frames: int = 16
+    hybrid: bool = False  # Qwen3.5-MoE (module doc); needs moe
 
+
+HYBRID_MROPE_SECTION = (2, 1, 1)  # sums to head_dim / 8: RoPE covers a quarter of each head
 
 def tiny_qwen3_vl_config(tokenizer: Any, spec: TinyQwen3VLSpec) -> Any:
     """The `Qwen3VLMoeConfig` / `Qwen3VLConfig` of `spec`, with the vision token ids of `tokenizer`."""
     import transformers
 
-    if sum(spec.mrope_section) != spec.head_dim // 2 or spec.heads % spec.kv_heads:
-        raise ValueError(f"tiny Qwen3-VL: mrope_section {spec.mrope_section} must sum to head_dim/2 = "
-                         f"{spec.head_dim // 2} and heads {spec.heads} divide by kv_heads {spec.kv_heads}")
+    mrope = HYBRID_MROPE_SECTION if spec.hybrid else spec.mrope_section
+    rotary_dim = spec.head_dim // 4 if spec.hybrid else spec.head_dim
+    if sum(mrope) != rotary_dim // 2 or spec.heads % spec.kv_heads or (spec.hybrid and not spec.moe):
+        raise ValueError(f"tiny Qwen3-VL: mrope_section {mrope} must sum to {rotary_dim // 2}, heads {spec.heads} "
+                         f"divide by kv_heads {spec.kv_heads}, and hybrid needs moe")
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
     eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
     text = dict(
@@ -88,14 +99,22 @@ def tiny_qwen3_vl_config(tokenizer: Any, spec: TinyQwen3VLSpec) -> Any:
     if spec.moe:
         text.update(num_experts=spec.num_experts, num_experts_per_tok=spec.moe_topk,
                     moe_intermediate_size=spec.moe_intermediate)
+    if spec.hybrid:
+        text["rope_parameters"].update(mrope_section=list(mrope), partial_rotary_factor=0.25)
+        text.update(layer_types=["linear_attention"] * (spec.layers - 1) + ["full_attention"],
+                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=spec.head_dim,
+                    linear_value_head_dim=spec.head_dim, shared_expert_intermediate_size=spec.moe_intermediate)
     vision = dict(
         depth=spec.vision_depth, hidden_size=spec.vision_hidden, intermediate_size=spec.vision_intermediate,
         num_heads=spec.vision_heads, in_channels=3, patch_size=spec.patch_size,
         temporal_patch_size=spec.temporal_patch_size, spatial_merge_size=spec.merge_size,
         out_hidden_size=spec.hidden, num_position_embeddings=spec.num_position_embeddings,
-        deepstack_visual_indexes=list(spec.deepstack_visual_indexes), hidden_act="gelu_pytorch_tanh",
-        initializer_range=spec.initializer_range)
-    cls = transformers.Qwen3VLMoeConfig if spec.moe else transformers.Qwen3VLConfig
+        hidden_act="gelu_pytorch_tanh", initializer_range=spec.initializer_range)
+    if spec.hybrid:
+        cls = transformers.Qwen3_5MoeConfig
+    else:
+        vision["deepstack_visual_indexes"] = list(spec.deepstack_visual_indexes)
+        cls = transformers.Qwen3VLMoeConfig if spec.moe else transformers.Qwen3VLConfig
     return cls(text_config=text, vision_config=vision, image_token_id=ids[IMAGE_PAD], video_token_id=ids[VIDEO_PAD],
                vision_start_token_id=ids[VISION_START], vision_end_token_id=ids[VISION_END],
                tie_word_embeddings=spec.tie_word_embeddings, dtype="float32")
@@ -106,7 +125,8 @@ def build_tiny_qwen3_vl(tokenizer: Any, spec: TinyQwen3VLSpec, seed: int = 0) ->
     import transformers
 
     config = tiny_qwen3_vl_config(tokenizer, spec)
-    cls = transformers.Qwen3VLMoeForConditionalGeneration if spec.moe else transformers.Qwen3VLForConditionalGeneration
+    cls = (transformers.Qwen3_5MoeForConditionalGeneration if spec.hybrid else
+           transformers.Qwen3VLMoeForConditionalGeneration if spec.moe else transformers.Qwen3VLForConditionalGeneration)
     torch.manual_seed(seed)
     return cls._from_config(config, dtype=torch.float32)
 

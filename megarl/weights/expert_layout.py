@@ -22,6 +22,11 @@ Which layout a checkpoint holds (`fused_expert_layout`), in this order:
    only one layout (gate_up: H != 2I; down: H != I);
 3. otherwise config.json's `transformers_version`: 5 or later -> transformers5, else released.
 Layers that disagree are an error naming two of them.
+
+Only qwen3_vl_moe's bridge and builtin engine work on fused tensors (`FUSED_EXPERT_FAMILIES`); for
+every other family `HFCheckpoint` presents fused tensors per expert (`per_expert_views`): the
+released Qwen3.5-MoE checkpoints are fused ([E, 2I, H], as vLLM's Qwen3.5-MoE loader splits them)
+while transformers 5 writes the same model per expert.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from typing import Mapping
 
 RELEASED, TRANSFORMERS5 = "released", "transformers5"
 GATE_UP, DOWN = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
+FUSED_EXPERT_FAMILIES = ("qwen3_vl_moe",)  # config.json model_type whose readers take fused tensors
 
 
 class ExpertLayoutError(ValueError):
@@ -109,3 +115,12 @@ def fused_expert_layout(shapes: Mapping[str, tuple[int, ...]], config: Mapping |
 def released_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     """The released-layout shape of a transformers5-layout fused expert tensor (dims 1, 2 swapped)."""
     return (shape[0], shape[2], shape[1])
+
+
+def per_expert_views(fused: str, experts: int) -> dict[str, tuple[str, int, int, int]]:
+    """The per-expert names of one fused tensor, each -> (fused name, expert, part, parts): gate_up_proj
+    gives `{e}.gate_proj.weight` (part 0 of 2) and `{e}.up_proj.weight` (part 1), down_proj
+    `{e}.down_proj.weight`, under the fused tensor's `...mlp.experts.` prefix."""
+    base, kind = fused.rsplit(".", 1)
+    parts = ("gate_proj", "up_proj") if kind == "gate_up_proj" else ("down_proj",)
+    return {f"{base}.{e}.{p}.weight": (fused, e, k, len(parts)) for e in range(experts) for k, p in enumerate(parts)}

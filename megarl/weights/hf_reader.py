@@ -10,6 +10,10 @@ tensor and the file.
 Fused expert tensors (qwen3_vl_moe) come in two layouts on disk (`expert_layout`); a checkpoint in
 transformers 5's own layout ([E, 2I, H] / [E, H, I]) is presented in the released one ([E, H, 2I] /
 [E, I, H]) by `shape` and `read`, so the bridge, the import and the builtin engine see one layout.
+Families whose bridge reads experts one by one (every family but qwen3_vl_moe; e.g. the released
+Qwen3.5-MoE checkpoints store fused experts) see a fused checkpoint per expert instead:
+`...mlp.experts.{e}.gate_proj.weight` / `up_proj` / `down_proj` ([I, H], [I, H], [H, I]), each
+read from its slice of the fused tensor on disk (`expert_layout.per_expert_views`).
 """
 
 from __future__ import annotations
@@ -40,7 +44,10 @@ class HFCheckpoint:
         self._handles: dict[Path, object] = {}
         self.files = self._index()  # tensor name -> file path
         self._transposed: set[str] = set()  # fused expert tensors stored in transformers 5's layout
+        self._views: dict[str, tuple[str, int, int, int]] = {}  # per-expert name -> (fused name, e, part, parts)
         self.expert_layout = self._expert_layout()  # None, "released" or "transformers5"
+        if self.expert_layout is not None:
+            self._split_fused_experts()
 
     def _index(self) -> dict[str, Path]:
         index = self.dir / INDEX_NAME
@@ -81,6 +88,29 @@ class HFCheckpoint:
             self._transposed = set(fused)
         return layout
 
+    def _split_fused_experts(self) -> None:
+        from megarl.weights.expert_layout import FUSED_EXPERT_FAMILIES, is_fused_expert, per_expert_views
+
+        config = self.dir / "config.json"
+        if (read_json(config) if config.is_file() else {}).get("model_type") in FUSED_EXPERT_FAMILIES:
+            return
+        for name in [n for n in self.files if is_fused_expert(n)]:
+            views = per_expert_views(name, self.shape(name)[0])
+            path = self.files.pop(name)
+            self.files.update({v: path for v in views})
+            self._views.update(views)
+
+    def _read_view(self, name: str) -> torch.Tensor:
+        """Expert e's part (gate, up or down; HF Linear [out, in]) of a fused tensor, read from its slice."""
+        fused, e, part, parts = self._views[name]
+        sl = self._handle(self.files[name]).get_slice(fused)
+        stored = sl.get_shape()
+        if fused in self._transposed:  # [E, parts x out, in] on disk
+            rows = stored[1] // parts
+            return sl[e:e + 1, part * rows:(part + 1) * rows, :][0]
+        cols = stored[2] // parts  # released: [E, in, parts x out]
+        return sl[e:e + 1, :, part * cols:(part + 1) * cols][0].t()
+
     def _handle(self, path: Path):
         if path not in self._handles:
             try:
@@ -99,6 +129,10 @@ class HFCheckpoint:
 
     def shape(self, name: str) -> tuple[int, ...]:
         path = self.file_of(name)
+        if name in self._views:
+            fused, _, _, parts = self._views[name]
+            _, a, b = self._fused_shape(fused, path)
+            return (b // parts, a)  # released [E, in, parts x out] -> [out, in]
         try:
             shape = tuple(self._handle(path).get_slice(name).get_shape())
             return (shape[0], shape[2], shape[1]) if name in self._transposed else shape
@@ -107,10 +141,17 @@ class HFCheckpoint:
         except Exception as e:
             raise CheckpointError(f"tensor {name!r} in {path}: cannot read its header ({e})") from e
 
+    def _fused_shape(self, fused: str, path: Path) -> tuple[int, ...]:
+        shape = tuple(self._handle(path).get_slice(fused).get_shape())
+        return (shape[0], shape[2], shape[1]) if fused in self._transposed else shape
+
     def read(self, name: str, dim: int | None = None, start: int = 0, stop: int = 0) -> torch.Tensor:
         """The full tensor (dim=None) or the range [start, stop) along dim 0 or 1."""
         path = self.file_of(name)
         try:
+            if name in self._views:
+                t = self._read_view(name)
+                return (t if dim is None else t[start:stop] if dim == 0 else t[:, start:stop]).contiguous()
             handle = self._handle(path)
             if name in self._transposed:  # stored [E, b, a]: read, then present as [E, a, b]
                 sl = handle.get_slice(name)

@@ -59,7 +59,7 @@ def test_checkpoint_reads_transformers5_file_as_released(tmp_path):
                 "model.language_model.norm.weight": torch.randn(64, generator=gen)}
     stored = {k: (v.transpose(1, 2).contiguous() if v.dim() == 3 else v) for k, v in released.items()}
     save_file(stored, str(tmp_path / "model.safetensors"))
-    (tmp_path / "config.json").write_text(json.dumps({"transformers_version": "5.19.0"}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_vl_moe", "transformers_version": "5.19.0"}))
     ckpt = HFCheckpoint(tmp_path)
     assert ckpt.expert_layout == TRANSFORMERS5
     for name, want in released.items():

@@ -153,3 +153,27 @@ def test_mtp_tensors_are_skipped():
     assert mtp_names({"mtp.fc.weight", "mtp.layers.0.input_layernorm.weight", "model.norm.weight"}, spec) == {
         "mtp.fc.weight", "mtp.layers.0.input_layernorm.weight"}
     assert transformers.__version__.startswith("5.")
+
+
+def test_the_quickstart_tiny_qwen3_5_moe(tmp_path):
+    # configs/quickstart/qwen3_5_moe.yaml: megarl's tiny Qwen3.5-MoE is a hybrid the registry accepts
+    # (two delta-net layers, then gated attention with a quarter of each head rotated), and a run dir
+    # built for it refuses the Qwen3-VL-MoE quickstart (and back)
+    from pathlib import Path
+
+    from megarl.quickstart import _check_built_model, save_quickstart_model
+
+    quickstart = Path(__file__).resolve().parents[2] / "configs" / "quickstart"
+    hybrid, vlm_moe = (load_config(str(quickstart / f"{n}.yaml")) for n in ("qwen3_5_moe", "vlm_moe"))
+    save_quickstart_model(tmp_path / "hybrid", hybrid)
+    save_quickstart_model(tmp_path / "vlm_moe", vlm_moe)
+    spec = arch_spec(transformers.AutoConfig.from_pretrained(tmp_path / "hybrid"))
+    assert spec.model_type == "qwen3_5_moe" and spec.num_layers == 3 and spec.gdn.linear_layers == (0, 1)
+    assert (spec.gdn.num_key_heads, spec.gdn.num_value_heads, spec.gdn.key_head_dim) == (2, 4, 32)
+    assert spec.rotary_percent == 0.25 and spec.mrope_section == (2, 1, 1) and spec.vision.deepstack_visual_indexes == ()
+    assert spec.num_experts == 4 and spec.shared_expert_ffn_hidden_size == 192 and spec.shared_expert_gated
+    _check_built_model(tmp_path / "hybrid", hybrid)
+    with pytest.raises(SystemExit, match="holds a tiny qwen3_5_moe model"):
+        _check_built_model(tmp_path / "hybrid", vlm_moe)
+    with pytest.raises(SystemExit, match="holds a tiny qwen3_vl_moe model"):
+        _check_built_model(tmp_path / "vlm_moe", hybrid)
