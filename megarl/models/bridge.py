@@ -190,17 +190,38 @@ def param_maps(model, spec: ArchSpec) -> list[tuple[ParamMap, torch.nn.Parameter
     return out + [(map_param(n, model, spec), b) for n, b in model.named_buffers() if n.endswith(_BUFFERS)]
 
 
+def outer_hf_shapes(spec: ArchSpec, value_head: bool = False) -> dict[str, tuple[int, ...]]:
+    """The HF tensors outside the layers: embedding, final norm, and the LM head (or a critic's value head)."""
+    h, prefix = spec.hidden_size, spec.hf_prefix
+    shapes = {f"{prefix}embed_tokens.weight": (spec.vocab_size, h), f"{prefix}norm.weight": (h,)}
+    if value_head:
+        shapes[VALUE_HEAD_HF_NAME] = (1, h)
+    elif not spec.tie_word_embeddings:
+        shapes["lm_head.weight"] = (spec.vocab_size, h)
+    return shapes
+
+
+def moe_hf_shapes(spec: ArchSpec) -> dict[str, tuple[int, ...]]:
+    """One Qwen-style MoE layer's HF tensors (names within the layer): the router, each expert (unless
+    the family stores them fused), the shared expert and its gate."""
+    h, fe, fs = spec.hidden_size, spec.moe_ffn_hidden_size, spec.shared_expert_ffn_hidden_size
+    out = {"mlp.gate.weight": (spec.num_experts, h)}
+    for g in range(0 if spec.hf_fused_experts else spec.num_experts):
+        out.update({f"mlp.experts.{g}.gate_proj.weight": (fe, h), f"mlp.experts.{g}.up_proj.weight": (fe, h),
+                    f"mlp.experts.{g}.down_proj.weight": (h, fe)})
+    if fs:
+        out.update({"mlp.shared_expert.gate_proj.weight": (fs, h), "mlp.shared_expert.up_proj.weight": (fs, h),
+                    "mlp.shared_expert.down_proj.weight": (h, fs), "mlp.shared_expert_gate.weight": (1, h)})
+    return out
+
+
 def expected_hf_shapes(spec: ArchSpec, value_head: bool = False) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every HF tensor of the whole model (all stages)."""
     if spec.hf_rules:
         return FAMILY_RULES[spec.hf_rules].expected_shapes(spec, value_head)
     h, d, f, prefix = spec.hidden_size, spec.head_dim, spec.ffn_hidden_size, spec.hf_prefix
     q, kv = spec.num_attention_heads * d, spec.num_query_groups * d
-    shapes = {f"{prefix}embed_tokens.weight": (spec.vocab_size, h), f"{prefix}norm.weight": (h,)}
-    if value_head:
-        shapes[VALUE_HEAD_HF_NAME] = (1, h)
-    elif not spec.tie_word_embeddings:
-        shapes["lm_head.weight"] = (spec.vocab_size, h)
+    shapes = outer_hf_shapes(spec, value_head)
     layer = {
         "input_layernorm.weight": (h,), "self_attn.q_proj.weight": (q, h),
         "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
@@ -215,14 +236,7 @@ def expected_hf_shapes(spec: ArchSpec, value_head: bool = False) -> dict[str, tu
     if spec.num_experts:
         for k in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"):
             del layer[k]
-        fe, fs = spec.moe_ffn_hidden_size, spec.shared_expert_ffn_hidden_size
-        layer["mlp.gate.weight"] = (spec.num_experts, h)
-        for g in range(0 if spec.hf_fused_experts else spec.num_experts):
-            layer.update({f"mlp.experts.{g}.gate_proj.weight": (fe, h), f"mlp.experts.{g}.up_proj.weight": (fe, h),
-                          f"mlp.experts.{g}.down_proj.weight": (h, fe)})
-        if fs:
-            layer.update({"mlp.shared_expert.gate_proj.weight": (fs, h), "mlp.shared_expert.up_proj.weight": (fs, h),
-                          "mlp.shared_expert.down_proj.weight": (h, fs), "mlp.shared_expert_gate.weight": (1, h)})
+        layer.update(moe_hf_shapes(spec))
     for i in range(spec.num_layers):
         shapes.update({f"{prefix}layers.{i}.{k}": v for k, v in layer.items()})
         if spec.num_experts and spec.hf_fused_experts:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from megarl.models.bridge import _EXPERT_RULES, FAMILY_RULES, VALUE_HEAD_HF_NAME, FamilyRules
+from megarl.models.bridge import _EXPERT_RULES, FAMILY_RULES, FamilyRules, outer_hf_shapes
 from megarl.models.families import ArchSpec, UnsupportedModelError, register_family
 from megarl.models.mla import MLA_RULES, MLASpec, mla_hf_shapes
 from megarl.models.rope import hf_rope_parameters
@@ -192,11 +192,7 @@ def _attention_shapes(spec: ArchSpec) -> dict[str, tuple[int, ...]]:
 def expected_shapes(spec: ArchSpec, value_head: bool = False) -> dict[str, tuple[int, ...]]:
     """Every HF tensor of the decoder (multi-token-prediction layers excluded) with its shape."""
     h, prefix = spec.hidden_size, spec.hf_prefix
-    shapes = {f"{prefix}embed_tokens.weight": (spec.vocab_size, h), f"{prefix}norm.weight": (h,)}
-    if value_head:
-        shapes[VALUE_HEAD_HF_NAME] = (1, h)
-    elif not spec.tie_word_embeddings:
-        shapes["lm_head.weight"] = (spec.vocab_size, h)
+    shapes = outer_hf_shapes(spec, value_head)
     for i in range(spec.num_layers):
         layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,), **_attention_shapes(spec),
                  **_mlp_shapes(spec, i >= spec.moe_first_dense)}

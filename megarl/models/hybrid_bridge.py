@@ -26,7 +26,8 @@ from __future__ import annotations
 import torch
 
 from megarl.models.bridge import (
-    _LAYER_RULES, FAMILY_RULES, LAYOUT_HANDLERS, VALUE_HEAD_HF_NAME, FamilyRules, LayoutHandler, _even_range)
+    _LAYER_RULES, FAMILY_RULES, LAYOUT_HANDLERS, FamilyRules, LayoutHandler, _even_range,
+    moe_hf_shapes, outer_hf_shapes)
 from megarl.models.families import ArchSpec
 
 _LA = "linear_attn."
@@ -195,25 +196,13 @@ def _mlp_shapes(spec: ArchSpec) -> dict[str, tuple[int, ...]]:
     if not spec.num_experts:
         f = spec.ffn_hidden_size
         return {"mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f)}
-    fe, fs = spec.moe_ffn_hidden_size, spec.shared_expert_ffn_hidden_size
-    out = {"mlp.gate.weight": (spec.num_experts, h)}
-    for g in range(spec.num_experts):
-        out.update({f"mlp.experts.{g}.gate_proj.weight": (fe, h), f"mlp.experts.{g}.up_proj.weight": (fe, h),
-                    f"mlp.experts.{g}.down_proj.weight": (h, fe)})
-    if fs:
-        out.update({"mlp.shared_expert.gate_proj.weight": (fs, h), "mlp.shared_expert.up_proj.weight": (fs, h),
-                    "mlp.shared_expert.down_proj.weight": (h, fs), "mlp.shared_expert_gate.weight": (1, h)})
-    return out
+    return moe_hf_shapes(spec)
 
 
 def expected_shapes(spec: ArchSpec, value_head: bool = False) -> dict[str, tuple[int, ...]]:
     """Every HF tensor of a hybrid model (multi-token-prediction layers excluded) with its shape."""
     h, prefix = spec.hidden_size, spec.hf_prefix
-    shapes = {f"{prefix}embed_tokens.weight": (spec.vocab_size, h), f"{prefix}norm.weight": (h,)}
-    if value_head:
-        shapes[VALUE_HEAD_HF_NAME] = (1, h)
-    elif not spec.tie_word_embeddings:
-        shapes["lm_head.weight"] = (spec.vocab_size, h)
+    shapes = outer_hf_shapes(spec, value_head)
     linear = set(spec.gdn.linear_layers)
     for i in range(spec.num_layers):
         layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,), **_mlp_shapes(spec),

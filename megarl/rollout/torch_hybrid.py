@@ -277,7 +277,7 @@ def _qwen3_next_args(cfg: dict) -> ModelArgs:
 def _qwen3_5_args(cfg: dict) -> ModelArgs:
     """Qwen3.5 / Qwen3.5-MoE: the hybrid LM of `text_config`, the Qwen3-VL tower (no DeepStack),
     interleaved M-RoPE over the rotated part of each head."""
-    from megarl.models.vision.qwen3_vl_spec import qwen3_vision_spec
+    from megarl.rollout.torch_qwen3_vl import config_vision_spec
 
     model_type = cfg["model_type"]
     v, text = cfg.get("vision_config"), cfg.get("text_config")
@@ -289,14 +289,7 @@ def _qwen3_5_args(cfg: dict) -> ModelArgs:
     if len(section) != 3 or sum(section) != args.variant.rotary_dim // 2:
         raise ValueError(f"config.json: mrope_section={list(section)} must be 3 sections summing to the rotated "
                          f"head_dim/2 = {args.variant.rotary_dim // 2}")
-    hf_like = SimpleNamespace(model_type=model_type, image_token_id=cfg.get("image_token_id"),
-                              video_token_id=cfg.get("video_token_id"), vision_config=SimpleNamespace(**v))
-    try:
-        vision = qwen3_vision_spec(hf_like)
-    except (AttributeError, TypeError) as e:
-        raise ValueError(f"config.json: {model_type} vision_config is incomplete ({e})") from e
-    except ValueError as e:  # UnsupportedModelError
-        raise ValueError(f"config.json: {e}") from e
+    vision = config_vision_spec(cfg, model_type)
     if vision.out_hidden_size != args.hidden_size or vision.deepstack_visual_indexes:
         raise ValueError(f"config.json: {model_type} vision out_hidden_size={vision.out_hidden_size} must equal the "
                          f"text hidden_size={args.hidden_size}, without DeepStack")

@@ -47,6 +47,19 @@ from megarl.rollout.torch_vlm import VisionAttention, VisionLM
 _ACTIVATIONS = {"gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"), "gelu": F.gelu, "silu": F.silu}
 
 
+def config_vision_spec(cfg: dict, model_type: str) -> Qwen3VisionSpec:
+    """The Qwen3-VL-style tower of config.json's `vision_config` (Qwen3-VL(-MoE), Qwen3.5(-MoE));
+    every problem a ValueError naming config.json."""
+    hf_like = SimpleNamespace(model_type=model_type, image_token_id=cfg.get("image_token_id"),
+                              video_token_id=cfg.get("video_token_id"), vision_config=SimpleNamespace(**cfg["vision_config"]))
+    try:
+        return qwen3_vision_spec(hf_like)
+    except (AttributeError, TypeError) as e:
+        raise ValueError(f"config.json: {model_type} vision_config is incomplete ({e})") from e
+    except ValueError as e:  # UnsupportedModelError
+        raise ValueError(f"config.json: {e}") from e
+
+
 def _qwen3_vl_args(cfg: dict) -> ModelArgs:
     """`ModelArgs` of a qwen3_vl / qwen3_vl_moe config.json (the LM from `text_config`)."""
     model_type = cfg["model_type"]
@@ -69,14 +82,7 @@ def _qwen3_vl_args(cfg: dict) -> ModelArgs:
     if len(section) != 3 or sum(section) != args.head_dim // 2:
         raise ValueError(f"config.json: mrope_section={list(section)} must be 3 sections summing to "
                          f"head_dim/2 = {args.head_dim // 2}")
-    hf_like = SimpleNamespace(model_type=model_type, image_token_id=cfg.get("image_token_id"),
-                              video_token_id=cfg.get("video_token_id"), vision_config=SimpleNamespace(**v))
-    try:
-        vision = qwen3_vision_spec(hf_like)
-    except (AttributeError, TypeError) as e:
-        raise ValueError(f"config.json: {model_type} vision_config is incomplete ({e})") from e
-    except ValueError as e:  # UnsupportedModelError
-        raise ValueError(f"config.json: {e}") from e
+    vision = config_vision_spec(cfg, model_type)
     if vision.out_hidden_size != args.hidden_size:
         raise ValueError(f"config.json: vision out_hidden_size={vision.out_hidden_size} != text hidden_size="
                          f"{args.hidden_size}")
