@@ -78,8 +78,10 @@ class TinyQwen3VLSpec:
 
 HYBRID_MROPE_SECTION = (2, 1, 1)  # sums to head_dim / 8: RoPE covers a quarter of each head
 
+
 def tiny_qwen3_vl_config(tokenizer: Any, spec: TinyQwen3VLSpec) -> Any:
-    """The `Qwen3VLMoeConfig` / `Qwen3VLConfig` of `spec`, with the vision token ids of `tokenizer`."""
+    """The `Qwen3VLMoeConfig` / `Qwen3VLConfig` / `Qwen3_5MoeConfig` (hybrid) of `spec`, with the vision
+    token ids of `tokenizer`."""
     import transformers
 
     mrope = HYBRID_MROPE_SECTION if spec.hybrid else spec.mrope_section
