@@ -24,41 +24,31 @@ differ only in how:
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from megarl.models.kernel_choice import KernelChoice
+
 KERNELS = ("auto", "varlen", "sdpa", "blockwise")
 VARLEN_DTYPES = (torch.bfloat16, torch.float16)
 VARLEN_MAX_HEAD_DIM = 256  # FlashAttention-2's largest head dimension
 SDPA_MAX_PADDING = 2.0  # a padded group holds at most this many times its real tokens
 
-_forced = "auto"
+_choice = KernelChoice("attention kernel", KERNELS)
 
 
 def use_kernel(name: str) -> None:
     """From now on every local attention of this process uses `name` ("auto": the choice of
     `select_kernel`); `model.attention_kernel`, set when a model is built."""
-    global _forced
-    if name not in KERNELS:
-        raise ValueError(f"unknown attention kernel {name!r} (choose from {', '.join(KERNELS)})")
-    _forced = name
+    _choice.use(name)
 
 
-@contextlib.contextmanager
 def forced_kernel(name: str):
     """Within the block, every local attention uses `name` ("auto" restores the choice)."""
-    global _forced
-    if name not in KERNELS:
-        raise ValueError(f"unknown attention kernel {name!r} (choose from {', '.join(KERNELS)})")
-    before, _forced = _forced, name
-    try:
-        yield
-    finally:
-        _forced = before
+    return _choice.forced(name)
 
 
 def varlen_function():
@@ -77,7 +67,7 @@ def select_kernel(device_type: str, dtype: torch.dtype, cp_size: int, forced: st
     error (varlen needs CUDA, half precision and torch's varlen module; sdpa needs CP = 1).
     `cuda_runtime` (default: torch.cuda.is_available()) tells a real GPU from the CPU runtime's
     strict device mode, whose device tensors report "cuda" but live on the host."""
-    forced = _forced if forced is None else forced
+    forced = _choice.name if forced is None else forced
     has_varlen = varlen_function() is not None if has_varlen is None else has_varlen
     cuda_runtime = torch.cuda.is_available() if cuda_runtime is None else cuda_runtime
     varlen_ok = device_type == "cuda" and cuda_runtime and dtype in VARLEN_DTYPES and has_varlen

@@ -38,18 +38,17 @@ argument contract on CPU). Everything else runs the torch functions here.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 
 from megarl.models.attention_kernels import length_groups
+from megarl.models.kernel_choice import KernelChoice
 
 GDN_KERNELS = ("auto", "torch", "fla")
 CHUNK_SIZE = 64
 L2NORM_EPS = 1e-6
 FLA_DTYPES = (torch.bfloat16, torch.float16)
-_forced = "auto"
+_choice = KernelChoice("gated delta-net kernel", GDN_KERNELS)
 
 
 def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
@@ -209,30 +208,19 @@ def fla_functions():
 
 def use_gdn_kernel(name: str) -> None:
     """From now on every gated delta-net layer of this process uses `name` ("auto": `select_gdn_kernel`)."""
-    global _forced
-    if name not in GDN_KERNELS:
-        raise ValueError(f"unknown gated delta-net kernel {name!r} (choose from {', '.join(GDN_KERNELS)})")
-    _forced = name
+    _choice.use(name)
 
 
-@contextlib.contextmanager
 def forced_gdn_kernel(name: str):
     """Within the block, every gated delta-net layer uses `name`."""
-    global _forced
-    if name not in GDN_KERNELS:
-        raise ValueError(f"unknown gated delta-net kernel {name!r} (choose from {', '.join(GDN_KERNELS)})")
-    before, _forced = _forced, name
-    try:
-        yield
-    finally:
-        _forced = before
+    return _choice.forced(name)
 
 
 def select_gdn_kernel(device_type: str, dtype: torch.dtype, forced: str | None = None,
                       has_fla: bool | None = None, cuda_runtime: bool | None = None) -> str:
     """"fla" on a real GPU in bf16 / fp16 with flash-linear-attention installed (its chunk kernel
     refuses float32), else "torch"; a forced "fla" that cannot run here is an error naming why."""
-    forced = _forced if forced is None else forced
+    forced = _choice.name if forced is None else forced
     has_fla = fla_functions() is not None if has_fla is None else has_fla
     cuda_runtime = torch.cuda.is_available() if cuda_runtime is None else cuda_runtime
     fla_ok = device_type == "cuda" and cuda_runtime and dtype in FLA_DTYPES and has_fla

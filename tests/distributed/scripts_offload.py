@@ -28,6 +28,7 @@ from megarl.trainer.metrics import PhaseTimer
 from megarl.trainer.train_model import TrainModel
 from megarl.weights import load_hf_weights, stream_hf_weights
 from tests.distributed.harness import finish, parse_args, train_model
+from tools.smoke.offload import accumulators_kept, main_grad_norm
 
 CASES = {  # name -> (model dtype, OptimConfig fields)
     "hybrid_bf16": ("bf16", {"use_distributed_optimizer": True, "offload_optimizer": True}),
@@ -89,22 +90,6 @@ def run_case(model_dir: str, hf_config, dtype: str, fields: dict, steps: int = 3
     except Exception as e:  # recorded: the steps before it still say what went wrong first
         res["error"] = f"{type(e).__name__}: {e}"[:500]
     return res
-
-
-def accumulators_kept(model) -> bool:
-    """Whether every trained parameter's gradient accumulator is still the one megatron DDP hung
-    its grad hook on (the hook fills main_grad; a new accumulator has no hook)."""
-    for c in model.chunks:
-        hooked = {id(acc) for acc in c.grad_accs}
-        for p in c.module.parameters():
-            if p.requires_grad and id(p.expand_as(p).grad_fn.next_functions[0][0]) not in hooked:
-                return False
-    return True
-
-
-def main_grad_norm(model) -> float:
-    return float(sum(p.main_grad.float().norm() ** 2 for c in model.chunks for p in c.module.parameters()
-                     if p.requires_grad) ** 0.5)
 
 
 def round_trips(offloaded, twin, steps: int, res: dict) -> None:

@@ -15,6 +15,12 @@ must agree (the sync delivered them). NeMo-RL reports 0.74-1.0 s to refit a 30B 
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # run as a file: the same as `python -m tools.bench.sglang_sync`
+    import sys
+    from pathlib import Path
+    sys.path[0] = str(Path(__file__).resolve().parents[2])  # the repository root, not tools/bench/
+    __import__("tools").run_as_module(__file__)
+
 import argparse
 import json
 import statistics
@@ -23,19 +29,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from tools._options import key_values
+
 
 def parse_server_args(items: list[str] | None) -> dict:
-    """KEY=VALUE strings -> engine keywords; VALUE parsed as JSON when it is JSON (true, 0.3, "x")."""
-    out = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"--server-arg {item!r}: expected KEY=VALUE")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
+    """--server-arg KEY=VALUE strings -> engine keywords (VALUE parsed as JSON when it is JSON)."""
+    return key_values(items, "--server-arg")
 
 
 def engine_kwargs(kind: str, model_dir: Path, mem_fraction: float, server_args: dict) -> dict:

@@ -71,6 +71,8 @@ import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from tools._options import key_values
+
 
 # Qwen2.5 release dimensions (config.json of Qwen/Qwen2.5-{0.5B,1.5B,3B}); tiny is for CPU tests.
 SHAPES = {
@@ -205,17 +207,8 @@ def model_options(recompute: str | None, fp8: str = "bf16", extra: dict | None =
 
 
 def parse_options(items: list[str] | None) -> dict:
-    """KEY=VALUE strings -> TransformerConfig overrides; VALUE parsed as JSON when it is JSON."""
-    out = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"--model-option {item!r}: expected KEY=VALUE")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
+    """--model-option KEY=VALUE strings -> TransformerConfig overrides (VALUE parsed as JSON when it is JSON)."""
+    return key_values(items, "--model-option")
 
 
 def configurations(impls: list[str], attns: list[str], precisions: list[str], seqs: list[int]) -> list[tuple]:
