@@ -49,8 +49,6 @@ def count(kind: str, nbytes: int) -> None:
     _TRAFFIC[current_phase()][kind] += int(nbytes)
 
 
-_count = count
-
 
 def _group_size() -> int:
     group = host_group()
@@ -74,7 +72,7 @@ def all_gather_objects(obj, kind: str = "meta") -> list:
     padded[: data.numel()] = data
     parts = [torch.empty(longest, dtype=torch.uint8) for _ in sizes]
     dist.all_gather(parts, padded, group=host_group())
-    _count(kind, longest * (len(parts) - 1))
+    count(kind, longest * (len(parts) - 1))
     return [pickle.loads(p[: int(n)].numpy().tobytes()) for p, n in zip(parts, sizes)]
 
 
@@ -86,7 +84,7 @@ def gather_objects(obj, dst: int = 0, kind: str = "gather") -> list | None:
     parts = [None] * _group_size() if me == dst else None
     dist.gather_object(obj, parts, dst=dst, group=host_group())
     if me == dst:
-        _count(kind, sum(len(pickle.dumps(p)) for r, p in enumerate(parts) if r != dst))
+        count(kind, sum(len(pickle.dumps(p)) for r, p in enumerate(parts) if r != dst))
     return parts
 
 
@@ -106,7 +104,7 @@ def all_to_all_bytes(sends: list[bytes], kind: str = "payload") -> list[bytes]:
     received = torch.empty(int(in_sizes.sum()), dtype=torch.uint8)
     dist.all_to_all_single(received, flat, in_sizes.tolist(), out_sizes.tolist(), group=host_group())
     me = dist.get_rank(host_group())
-    _count(kind, int(in_sizes.sum()) - int(in_sizes[me]))
+    count(kind, int(in_sizes.sum()) - int(in_sizes[me]))
     offsets = [0] + in_sizes.cumsum(0).tolist()
     raw = received.numpy().tobytes()
     return [raw[offsets[r]: offsets[r + 1]] for r in range(n)]
@@ -117,5 +115,5 @@ def all_reduce_host(t: torch.Tensor, op=dist.ReduceOp.SUM, kind: str = "scalars"
     out = t.detach().cpu().clone()
     if _group_size() > 1:
         dist.all_reduce(out, op=op, group=host_group())
-        _count(kind, out.numel() * out.element_size())
+        count(kind, out.numel() * out.element_size())
     return out

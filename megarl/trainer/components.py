@@ -130,7 +130,7 @@ class RunComponents:
                 sampling = SamplingParams(n=s["n_samples"], temperature=s["temperature"], top_p=s["top_p"],
                                           max_new_tokens=s["max_new_tokens"], seed=cfg.trainer.seed + step)
                 rows = self.worker.generate(ev.items, self.data.encode(ev.items), sampling, routing=False)
-                self.worker.store.drop(m.key for m in rows if m.source == self.rank)
+                self.worker.free(rows)
                 n = max(len(rows), 1)
                 out[f"eval/{ev.name}/accuracy"] = sum(m.acc for m in rows) / n
                 out[f"eval/{ev.name}/score"] = sum(m.score for m in rows) / n  # mean reward

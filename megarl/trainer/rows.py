@@ -162,14 +162,12 @@ class RowStore:
         for k in [k for k in self._rows if k not in keep]:
             del self._rows[k], self._bytes[k]
 
-    def state_dict(self) -> dict:
-        """Plain values and tensors (loads with torch.load(weights_only=True))."""
-        return {"next": self._next, "rows": {int(k): t.state() for k, t in self._rows.items()}}
-
-    def load_state_dict(self, sd: dict) -> None:
-        self._rows = {int(k): Trajectory(**t) for k, t in sd["rows"].items()}
-        self._bytes = {k: payload_bytes(t) for k, t in self._rows.items()}
-        self._next = int(sd["next"])
+    def state_dict(self, keys=None) -> dict:
+        """The payloads of `keys` (all: None) as plain values and tensors (loads with
+        torch.load(weights_only=True); `restore_rows` reads them back)."""
+        keep = None if keys is None else set(keys)
+        return {"next": self._next,
+                "rows": {int(k): t.state() for k, t in self._rows.items() if keep is None or k in keep}}
 
 
 @dataclass(frozen=True)
@@ -300,8 +298,7 @@ ROWS_DIR = "rows"
 
 def rank_rows(store: RowStore, carried: list[RowMeta], rank: int) -> dict:
     """What this rank saves in a checkpoint: the payloads of the carried rows it holds."""
-    keys = {m.key for m in carried if m.source == rank}
-    return {"next": store._next, "rows": {k: t.state() for k, t in store._rows.items() if k in keys}}
+    return store.state_dict(m.key for m in carried if m.source == rank)
 
 
 def restore_rows(ckpt_dir, store: RowStore, rank: int, world: int) -> dict[tuple[int, int], tuple[int, int]]:

@@ -14,6 +14,7 @@ wants, whatever the EP size and the expert count.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -88,7 +89,7 @@ def deliver(emap: ExpertMap, stage: int, bucket: list[Part], shapes: list[list[t
             if stats is not None and new:
                 stats.hold(buf.numel())
         else:
-            n = sum(_numel(s) * dtypes[k].itemsize for k in ks for s in shapes[k])
+            n = sum(math.prod(s) * dtypes[k].itemsize for k in ks for s in shapes[k])
             buf = torch.empty(n, dtype=torch.uint8, device=device)
             ops.append(dist.P2POp(dist.irecv, buf, h))
             recv.append((buf, ks))
@@ -102,16 +103,9 @@ def deliver(emap: ExpertMap, stage: int, bucket: list[Part], shapes: list[list[t
         for k in ks:
             tensors = []
             for s in shapes[k]:
-                n = _numel(s) * dtypes[k].itemsize
+                n = math.prod(s) * dtypes[k].itemsize
                 tensors.append(buf[offset: offset + n].view(dtypes[k]).view(s))
                 offset += n
             got[k] = tensors
         exchange.count("weights", buf.numel())
     return got
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

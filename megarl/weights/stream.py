@@ -36,6 +36,7 @@ iterate the stream to the end on them too (`consume(stream)`), or the other rank
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -87,18 +88,11 @@ class _Entry:
 
     def tensor_bytes(self) -> list[int]:
         size = torch.empty((), dtype=self.torch_dtype).element_size()
-        return [size * _numel(s) for s in self.hf_shapes]
+        return [size * math.prod(s) for s in self.hf_shapes]
 
     @property
     def nbytes(self) -> int:
         return sum(_aligned(n) for n in self.tensor_bytes())
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _aligned(n: int) -> int:
