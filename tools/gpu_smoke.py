@@ -909,6 +909,22 @@ def check_attn_kernels(ctx: Ctx) -> str:
     return detail
 
 
+def check_gdn_kernels(ctx: Ctx) -> str:
+    """The gated delta-net kernels on the device against the CPU float32 torch kernel
+    (tools/smoke/gdn.py): the torch kernel in float32 within 1e-4; on CUDA with
+    flash-linear-attention, its bf16 kernels within 3e-2 and restarting at sequence boundaries."""
+    from tools.smoke.gdn import gdn_check, problems
+
+    errs = gdn_check("cuda" if ctx.cuda else "cpu")
+    detail = ", ".join(f"{k} {_fmt(v)}" for k, v in errs.items() if k != "fla")
+    if errs["fla"] is None:
+        detail += "; flash-linear-attention: " + ("not installed" if ctx.cuda else "CUDA only")
+    bad = problems(errs)
+    if bad:
+        raise CheckFailed("; ".join(bad) + " | " + detail)
+    return detail
+
+
 def check_attn_cp2(ctx: Ctx) -> str:
     """Context parallelism 2 emulated on one GPU: each CP rank's query chunks through the varlen
     kernel over their prefixes' keys equal those rows of the whole row's attention
@@ -940,6 +956,7 @@ CHECKS: list[Check] = [
     Check("train_local", check_train_local, False),
     Check("attn_kernels", check_attn_kernels, False),
     Check("attn_cp2", check_attn_cp2, True),
+    Check("gdn_kernels", check_gdn_kernels, False),
     Check("train_te", check_train_te, True),
     Check("offload", check_offload, True),
     Check("offload_plain", check_offload_plain, True),

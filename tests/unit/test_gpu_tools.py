@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 REPO = Path(__file__).resolve().parents[2]
-CPU_CHECKS = {"imports", "logits_local", "train_local", "attn_kernels"}
+CPU_CHECKS = {"imports", "logits_local", "train_local", "attn_kernels", "gdn_kernels"}
 GPU_CHECKS = {"logits_te", "train_te", "offload", "offload_plain", "nccl", "sglang", "fp8", "cp2", "attn_cp2"}
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
@@ -50,6 +50,10 @@ def test_gpu_smoke_on_cpu(tmp_path):
     errors = dict(re.findall(r"(\w+_sdpa\w*|model_sdpa_\w+) ([0-9.e+-]+)", details["attn_kernels"]))
     assert {"kernel_sdpa_out", "kernel_sdpa_dq", "model_sdpa_logits", "model_sdpa_grads"} <= set(errors), details
     assert all(float(v) < 1e-5 for v in errors.values()), errors
+    # CPU: the delta-net's torch kernels ran (their reference is the same kernel on the CPU: 0 here)
+    gdn = dict(re.findall(r"(torch_\w+) ([0-9.e+-]+)", details["gdn_kernels"]))
+    assert set(gdn) == {"torch_conv", "torch_rule"} and all(float(v) <= 1e-4 for v in gdn.values()), details
+    assert "flash-linear-attention: CUDA only" in details["gdn_kernels"]
 
 
 def _load_tool(name: str):
