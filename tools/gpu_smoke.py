@@ -925,6 +925,19 @@ def check_gdn_kernels(ctx: Ctx) -> str:
     return detail
 
 
+def check_fp8_weights(ctx: Ctx) -> str:
+    """FP8 rollout weights (rollout.weights_dtype=fp8) quantized and dequantized on the device
+    (tools/smoke/fp8_weights.py): float8_e4m3fn + float32 scales on the device, within block-FP8
+    rounding of bf16, the device's values equal to the CPU's; gate and norm unquantized."""
+    from tools.smoke.fp8_weights import fp8_weights_check
+
+    out, bad = fp8_weights_check("cuda" if ctx.cuda else "cpu")
+    detail = ", ".join(f"{k} {_fmt(v)}" for k, v in out.items())
+    if bad:
+        raise CheckFailed("; ".join(bad) + " | " + detail)
+    return detail
+
+
 def check_attn_cp2(ctx: Ctx) -> str:
     """Context parallelism 2 emulated on one GPU: each CP rank's query chunks through the varlen
     kernel over their prefixes' keys equal those rows of the whole row's attention
@@ -957,6 +970,7 @@ CHECKS: list[Check] = [
     Check("attn_kernels", check_attn_kernels, False),
     Check("attn_cp2", check_attn_cp2, True),
     Check("gdn_kernels", check_gdn_kernels, False),
+    Check("fp8_weights", check_fp8_weights, False),
     Check("train_te", check_train_te, True),
     Check("offload", check_offload, True),
     Check("offload_plain", check_offload_plain, True),

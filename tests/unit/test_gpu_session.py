@@ -42,7 +42,7 @@ def test_every_step_is_a_command_its_tool_accepts(tmp_path):
     kwargs = gpu_smoke.parse_args(_tool_args(steps["sglang_smoke"])).sglang_arg
     assert {k: json.loads(v) for k, v in (a.split("=", 1) for a in kwargs)} == gpu_session.SGLANG_ARGS
     assert {c.name for c in gpu_smoke.selected(gpu_smoke.parse_args(_tool_args(steps["smoke"])))} == {
-        "imports", "logits_te", "train_te", "offload", "offload_plain", "fp8", "gdn_kernels"}
+        "imports", "logits_te", "train_te", "offload", "offload_plain", "fp8", "gdn_kernels", "fp8_weights"}
     assert te_parity.parse_args(_tool_args(steps["parity"])).shapes == "tiny,0.5b,1.5b"
     fp8 = fp8_train.parse_args(_tool_args(steps["fp8"]))
     assert fp8.recipes.split(",") == ["bf16", *RECIPES] and fp8.steps == 50

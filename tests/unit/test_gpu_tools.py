@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 REPO = Path(__file__).resolve().parents[2]
-CPU_CHECKS = {"imports", "logits_local", "train_local", "attn_kernels", "gdn_kernels"}
+CPU_CHECKS = {"imports", "logits_local", "train_local", "attn_kernels", "gdn_kernels", "fp8_weights"}
 GPU_CHECKS = {"logits_te", "train_te", "offload", "offload_plain", "nccl", "sglang", "fp8", "cp2", "attn_cp2"}
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
@@ -54,6 +54,10 @@ def test_gpu_smoke_on_cpu(tmp_path):
     gdn = dict(re.findall(r"(torch_\w+) ([0-9.e+-]+)", details["gdn_kernels"]))
     assert set(gdn) == {"torch_conv", "torch_rule"} and all(float(v) <= 1e-4 for v in gdn.values()), details
     assert "flash-linear-attention: CUDA only" in details["gdn_kernels"]
+    # CPU: block-FP8 rounding of the bf16 weights (e4m3: a few percent), the same values as the CPU's
+    fp8 = {k: float(v) for k, v in re.findall(r"(\w+_(?:round|device)) ([0-9.e+-]+)", details["fp8_weights"])}
+    assert set(fp8) == {"q_proj_round", "q_proj_device", "down_proj_round", "down_proj_device"}, details
+    assert all(0 < v <= 0.05 for k, v in fp8.items() if k.endswith("round")) and fp8["q_proj_device"] == 0, fp8
 
 
 def _load_tool(name: str):

@@ -82,7 +82,7 @@ def all_steps(work: Path, py: str = "python3") -> list[Step]:
     m = [py, "-m"]
     qs = m + ["megarl.cli", "quickstart", "--nproc", "1"]
     out = [
-        Step("smoke", "smoke", m + ["tools.gpu_smoke", "--only", "imports,logits_te,train_te,offload,offload_plain,fp8,gdn_kernels",
+        Step("smoke", "smoke", m + ["tools.gpu_smoke", "--only", "imports,logits_te,train_te,offload,offload_plain,fp8,gdn_kernels,fp8_weights",
                                     "--require", "te", "--json", f"{w}/smoke.json", "--verbose"], 90, 200),
         Step("parity", "parity", m + ["tools.bench.te_parity", "--shapes", "tiny,0.5b,1.5b", "--json",
                                       f"{w}/parity.json"], 60, 180),
